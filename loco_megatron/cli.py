@@ -1,0 +1,163 @@
+"""Command line: the only module that reads ``argv`` and the environment.
+
+Flags are derived from the config dataclasses (Megatron-LM's names). Precedence:
+dataclass defaults < ``--config FILE.yaml`` < command-line flags. Errors in flags,
+config files or values end the process with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import pathlib
+import sys
+import textwrap
+import typing
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from loco_megatron.config import Config, ConfigError
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_gpt.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun (or Slurm) told this process through the environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    cache_home: str = str(pathlib.Path.home() / ".cache")
+    wandb_offline: bool = True
+
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> "LaunchEnv":
+        def as_int(name: str, default: int) -> int:
+            return int(environ.get(name, default))
+
+        offline = environ.get("WANDB_MODE", "") in ("offline", "disabled") or not (
+            environ.get("WANDB_API_KEY") or pathlib.Path.home().joinpath(".netrc").exists()
+        )
+        return cls(
+            rank=as_int("RANK", 0),
+            world_size=as_int("WORLD_SIZE", 1),
+            local_rank=as_int("LOCAL_RANK", 0),
+            local_world_size=as_int("LOCAL_WORLD_SIZE", 1),
+            cache_home=environ.get("XDG_CACHE_HOME", str(pathlib.Path.home() / ".cache")),
+            wandb_offline=offline,
+        )
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _scalar_type(annotation) -> type:
+    hints = typing.get_args(annotation) or (annotation,)
+    return next(h for h in hints if h is not type(None))
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type if isinstance(f.type, type) else typing.get_type_hints(Config)[f.name]
+            for f in dataclasses.fields(Config)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Megatron-Core GPT/MoE pretraining with LoCo low-bit gradient communication.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help=f"YAML file of flag: value pairs (default {DEFAULT_CONFIG.name})")
+    for section, cls in _sections().items():
+        group = parser.add_argument_group(section)
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            typ = _scalar_type(hints[f.name])
+            help_ = f"{docs.get(f.name, '')} (default: {f.default})"
+            if typ is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+            else:
+                group.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_)
+    return parser
+
+
+def _all_keys() -> dict[str, str]:
+    """flag name (underscored) -> config section."""
+    return {f.name: section for section, cls in _sections().items() for f in dataclasses.fields(cls)}
+
+
+def load_yaml_config(path: str) -> dict[str, Any]:
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: {path} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path} must be a mapping of flag: value")
+    known = _all_keys()
+    out = {}
+    for key, value in raw.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--config: unknown key '{key}' in {path}")
+        out[name] = value
+    return out
+
+
+def make_config(values: dict[str, Any]) -> Config:
+    """Build a validated Config from {flag_name: value}."""
+    known = _all_keys()
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in _sections()}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"unknown option '{name}'")
+        per_section[known[name]][name] = value
+    sections = {}
+    for section, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for name, value in per_section[section].items():
+            typ = _scalar_type(hints[name])
+            if value is not None and not isinstance(value, typ) and not (typ is float and isinstance(value, int)):
+                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not a {typ.__name__}")
+            kwargs[name] = float(value) if typ is float and value is not None else value
+        sections[section] = cls(**kwargs)
+    return Config(**sections)
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
+    """Flags (and the config file they name) -> validated Config. Raises ConfigError."""
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", str(DEFAULT_CONFIG))
+    values = load_yaml_config(config_path)
+    values.update(args)
+    return make_config(values)
+
+
+def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv]:
+    """Entry-point helper: parse or exit(2) with one line naming the problem."""
+    try:
+        return parse_config(argv), LaunchEnv.from_environ()
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2)

@@ -1,0 +1,114 @@
+"""GPT datasets (megatron-core's ``GPTDataset`` via ``BlendedMegatronDatasetBuilder``)
+and the resumable micro-batch iterator that feeds the pipeline schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+
+from loco_megatron.config import Config, ConfigError
+from loco_megatron.data.corpus import ensure_default_corpus
+from loco_megatron.data.indexed import check_indexed_dataset
+from loco_megatron.data.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass
+class DataSources:
+    """Resolved, validated inputs: the dataset prefix and its tokenizer."""
+
+    data_prefix: str
+    tokenizer_model: str
+    tokenizer: object
+
+
+def resolve_data(config: Config, cache_dir: str) -> DataSources:
+    """The user's dataset and tokenizer (checked), or the built-in corpus. Raises ConfigError."""
+    d = config.data
+    if d.data_path is None:
+        prefix, model = ensure_default_corpus(cache_dir, d.vocab_size)
+    else:
+        prefix, model = d.data_path, d.tokenizer_model
+    tokenizer = load_tokenizer(model)
+    check_indexed_dataset(prefix, tokenizer, model)
+    return DataSources(prefix, model, tokenizer)
+
+
+def build_datasets(config: Config, sources: DataSources, cache_dir: str):
+    """(train, valid) GPTDatasets sized for the whole run (epochs repeat as needed)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    t, g = config.train, config.data.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
+    sizes = [t.train_iters * g, max(evals * t.eval_iters * g, 1), 0]
+    ds_config = GPTDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=config.model.seq_length,
+        blend=([sources.data_prefix], None),
+        split=config.data.split,
+        path_to_cache=cache_dir,
+        tokenizer=sources.tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    _check_split_nonempty(config.data.split, sources.data_prefix)
+    # Every rank reads its own samples; megatron's builder lets global rank 0 write the
+    # shuffle/sample index caches first while the others wait, then read them.
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, sizes, lambda: True, ds_config).build()
+    return train, valid
+
+
+def _check_split_nonempty(split: str, prefix: str) -> None:
+    """Each split with a positive weight must get at least one document (megatron's
+    dataset builder loops forever on an empty split)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    n_docs = len(IndexedDataset(prefix, mmap=True).document_indices) - 1
+    weights = [float(w) for w in split.split(",")]
+    total, start = sum(weights), 0.0
+    for name, w in zip(("train", "validation", "test"), weights):
+        end = start + w / total
+        if w > 0 and int(round(end * n_docs)) - int(round(start * n_docs)) == 0:
+            raise ConfigError(f"--split: '{split}' leaves the {name} split of {prefix} "
+                              f"({n_docs} documents) empty")
+        start = end
+
+
+class MicroBatchIterator:
+    """Yields this data-parallel rank's micro batches, step after step, resumably.
+
+    Global sample ``c + r*G/DP + k*mbs + i`` (``c`` = samples consumed before the
+    step, ``G`` global batch, ``r`` the DP rank, ``k`` the micro batch, ``i`` its row)
+    is row ``i`` of micro batch ``k`` on rank ``r``. ``consumed_samples`` is the whole
+    state: saving it and restoring it resumes the exact sample sequence.
+    """
+
+    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, consumed_samples: int = 0):
+        self.dataset, self.gbs, self.mbs = dataset, global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+
+    def step(self) -> Iterator[dict]:
+        """An iterator over this step's micro batches; advances the position by one global batch."""
+        start = self.consumed_samples + self.dp_rank * (self.gbs // self.dp_size)
+        self.consumed_samples += self.gbs
+        return self._micro_batches(start)
+
+    def _micro_batches(self, start: int) -> Iterator[dict]:
+        n = len(self.dataset)
+        for k in range(self.num_microbatches):
+            rows = [self.dataset[(start + k * self.mbs + i) % n] for i in range(self.mbs)]
+            yield {key: torch.stack([torch.as_tensor(r[key]) for r in rows]) for key in rows[0]}
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed_samples = int(sd["consumed_samples"])

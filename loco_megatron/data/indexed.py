@@ -1,0 +1,89 @@
+"""Writing and checking Megatron indexed datasets (PREFIX.bin / PREFIX.idx).
+
+The files are written by megatron-core's ``IndexedDatasetBuilder``. Next to them we
+keep ``PREFIX.meta.json`` with the tokenizer's vocabulary size and fingerprint, so a
+run with a different tokenizer is refused before it trains on garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Iterable, Optional
+
+import numpy as np
+
+from loco_megatron.config import ConfigError
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer_model: str,
+                          progress: bool = False) -> int:
+    """Tokenise ``docs`` (one document each, EOD appended) into ``prefix``.bin/.idx.
+
+    Files are written under temporary names and renamed at the end, so an interrupted
+    run never leaves a dataset that looks complete. Returns the number of tokens.
+    """
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from loco_megatron.data.tokenizer import tokenizer_fingerprint
+
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
+    if progress:
+        from tqdm import tqdm
+
+        docs = tqdm(docs, unit="doc")
+    n_tokens = 0
+    for doc in docs:
+        ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
+        builder.add_item(torch.tensor(ids, dtype=torch.int64))
+        builder.end_document()
+        n_tokens += len(ids)
+    builder.finalize(tmp + ".idx")
+    meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
+            "num_tokens": n_tokens}
+    pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
+    for ext in (".bin", ".idx", ".meta.json"):
+        os.replace(tmp + ext, prefix + ext)
+    return n_tokens
+
+
+def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str],
+                          sample_tokens: int = 1 << 24) -> None:
+    """Raise ConfigError (one line naming the file) unless ``prefix`` is a readable
+    dataset whose token ids fit ``tokenizer``'s vocabulary."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".bin", ".idx"):
+        if not pathlib.Path(prefix + ext).is_file():
+            raise ConfigError(f"--data-path: {prefix + ext} does not exist")
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+        n = len(ds)
+        expected = int(ds.index.sequence_lengths.sum(dtype=np.int64)) * ds.index.dtype_size
+        actual = pathlib.Path(prefix + ".bin").stat().st_size
+        if n == 0 or actual != expected:
+            raise ValueError(f".bin holds {actual} bytes, the .idx describes {expected}")
+        first = ds[0]
+    except Exception as e:
+        raise ConfigError(f"--data-path: {prefix}.bin/.idx is corrupt ({str(e).splitlines()[0][:120]})") from None
+    meta_path = pathlib.Path(prefix + ".meta.json")
+    if meta_path.is_file() and tokenizer_model is not None:
+        from loco_megatron.data.tokenizer import tokenizer_fingerprint
+
+        meta = json.loads(meta_path.read_text())
+        if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer_model):
+            raise ConfigError(f"--tokenizer-model: {tokenizer_model} is not the tokenizer {prefix} "
+                              f"was built with (vocab {meta.get('vocab_size')} vs {tokenizer.vocab_size})")
+    # Every id must be a row of the embedding table; scan a bounded prefix of the data.
+    tokens = np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")[:sample_tokens]
+    top = int(tokens.max()) if tokens.size else int(first.max())
+    if top >= tokenizer.vocab_size:
+        raise ConfigError(f"--tokenizer-model: {prefix}.bin has token id {top}, beyond the "
+                          f"tokenizer's vocabulary of {tokenizer.vocab_size}")

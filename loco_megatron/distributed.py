@@ -1,0 +1,73 @@
+"""Process groups: torch.distributed plus megatron-core's parallel state."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.config import Config
+from loco_megatron.platform import Platform
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the TP x PP x DP (x EP) grid."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that prints and writes metrics (global rank 0)."""
+        return self.rank == 0
+
+
+def init_distributed(config: Config, platform: Platform, rank: int, world_size: int) -> ParallelLayout:
+    """Start torch.distributed and megatron-core's parallel state; seed the RNGs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    p = config.parallel
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=platform.backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=config.train.distributed_timeout_minutes))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+    )
+    # Same seed on every DP replica (identical init), per-TP-rank streams for TP regions.
+    torch.manual_seed(config.train.seed)
+    model_parallel_cuda_manual_seed(config.train.seed)
+    return ParallelLayout(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+    )
+
+
+def shutdown_distributed() -> None:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

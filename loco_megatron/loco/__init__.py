@@ -1,0 +1,11 @@
+"""LoCo: low-bit gradient communication with error compensation (arXiv 2407.04480).
+
+Public API: :func:`quantize_blockwise`, :func:`dequantize_blockwise`,
+:class:`LoCoCompressor`. The collectives live in :mod:`.collectives`, the megatron
+wiring in :mod:`.megatron_hook`.
+"""
+
+from loco_megatron.loco.compressor import LoCoCompressor
+from loco_megatron.loco.quantize import dequantize_blockwise, quantize_blockwise
+
+__all__ = ["LoCoCompressor", "quantize_blockwise", "dequantize_blockwise"]

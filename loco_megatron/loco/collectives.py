@@ -1,0 +1,136 @@
+"""LoCo's compressed reduce-scatter: one all-to-all of low-bit codes, fp32 sum.
+
+Modelled on megatron-core's ``reduce_scatter_with_fp32_accumulation``: the call
+launches the collective and returns a work handle whose ``wait()`` finishes the
+reduction. Layout for a flat buffer of ``N = W * S`` elements over ``W`` ranks:
+
+* shard ``j`` is elements ``[j*S, (j+1)*S)``; each shard is zero-padded to whole
+  quantisation blocks (``P = ceil(S/B)*B``) so that no element is ever sent
+  uncompressed and block boundaries never straddle two shards;
+* the send buffer is ``uint8 [W, code_bytes + 4*P/B]``: row ``j`` holds this rank's
+  packed codes for shard ``j`` followed by the fp32 scales' bytes;
+* one ``all_to_all_single`` delivers row ``j`` of every rank to rank ``j``;
+* ``wait()`` dequantises the ``W`` received rows and sums them in fp32 in rank
+  order (deterministic), then writes the shard (cast to the buffer dtype).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.loco import quantize as qz
+
+
+class ShardLayout:
+    """Sizes of one bucket's compressed reduce-scatter."""
+
+    def __init__(self, numel: int, world: int, bits: int, block_size: int):
+        if numel % world:
+            raise ValueError(f"buffer of {numel} elements does not split over {world} ranks")
+        self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
+        self.shard = numel // world
+        self.shard_blocks = qz.num_blocks(self.shard, block_size)
+        self.padded_shard = self.shard_blocks * block_size
+        self.code_bytes = self.padded_shard * bits // 8
+        self.row_bytes = self.code_bytes + 4 * self.shard_blocks
+
+    @property
+    def compressed_numel(self) -> int:
+        """Elements the compressor sees: every shard padded to whole blocks."""
+        return self.world * self.padded_shard
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` as ``[W, P]`` (a view when no padding is needed)."""
+        rows = flat.view(self.world, self.shard)
+        if self.padded_shard == self.shard:
+            return rows
+        return torch.nn.functional.pad(rows, (0, self.padded_shard - self.shard))
+
+    def pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """One uint8 ``[W, row_bytes]`` send buffer from per-buffer codes and scales."""
+        return torch.cat([codes.view(self.world, self.code_bytes),
+                          scales.float().view(torch.uint8).view(self.world, -1)], dim=1)
+
+    def unpack_row(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return row[: self.code_bytes], row[self.code_bytes:].contiguous().view(torch.float32)
+
+
+def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """fp32 ``[S]``: the sum over ranks, in rank order, of the dequantised rows of ``recv``."""
+    acc = None
+    for r in range(layout.world):
+        codes, scales = layout.unpack_row(recv[r])
+        part = qz.dequantize_blockwise(codes, scales, layout.bits, layout.block_size, layout.shard)
+        acc = part if acc is None else acc.add_(part)
+    return acc
+
+
+class CompressedReduceScatterWork:
+    """Handle of an in-flight compressed reduce-scatter; ``wait()`` completes it.
+
+    After ``wait()``: ``out`` holds this rank's reduced shard (and, with
+    ``all_gather_group``, the full buffer holds every reduced shard). ``launch_t``,
+    ``done_t`` (perf_counter seconds) and ``decompress_s`` describe what it cost.
+    """
+
+    def __init__(self, work, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
+                 group, gather_into: Optional[torch.Tensor], scale: float, launch_t: float):
+        self._work, self._recv, self._layout, self._out = work, recv, layout, out
+        self._group, self._gather_into, self._scale = group, gather_into, scale
+        self.launch_t = launch_t
+        self.done_t: Optional[float] = None
+        self.decompress_s = 0.0
+
+    def wait(self) -> None:
+        if self.done_t is not None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        t0 = time.perf_counter()
+        total = decompress_sum(self._recv, self._layout)
+        if self._scale != 1.0:
+            total.mul_(self._scale)
+        self._out.copy_(total)
+        self.decompress_s = time.perf_counter() - t0
+        if self._gather_into is not None:
+            # Without the distributed optimizer every rank needs the whole reduced
+            # buffer: gather the reduced shards at the gradient dtype.
+            dist.all_gather_into_tensor(self._gather_into, self._out.clone(), group=self._group)
+        self.done_t = time.perf_counter()
+        self._recv = None
+
+
+def compressed_reduce_scatter(
+    buffer: torch.Tensor,
+    compress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    layout: ShardLayout,
+    group,
+    async_op: bool = True,
+    all_gather: bool = False,
+    average: bool = False,
+) -> tuple[CompressedReduceScatterWork, int]:
+    """Launch the compressed reduce-scatter of flat ``buffer`` over ``group``.
+
+    ``compress`` maps the ``[W*P]`` padded buffer to ``(codes, scales)`` (a
+    :class:`LoCoCompressor`'s ``compress``). The reduced shard lands in this rank's
+    shard of ``buffer``; with ``all_gather`` every shard does. Returns the work handle
+    and the number of payload bytes this rank sent. With ``async_op=False`` the
+    handle is already complete.
+    """
+    rank = dist.get_rank(group)
+    codes, scales = compress(layout.padded(buffer).reshape(-1))
+    send = layout.pack(codes, scales)
+    recv = torch.empty_like(send)
+    launch_t = time.perf_counter()
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    out = buffer.view(layout.world, layout.shard)[rank]
+    handle = CompressedReduceScatterWork(
+        work, recv, layout, out, group, buffer if all_gather else None,
+        1.0 / layout.world if average else 1.0, launch_t)
+    if not async_op:
+        handle.wait()
+    return handle, send.numel()

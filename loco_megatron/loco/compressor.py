@@ -1,0 +1,139 @@
+"""LoCo's per-buffer state machine (paper Alg. 1, steps compensate/quantise/update).
+
+For one flat gradient buffer ``g`` (N elements) at optimizer step t:
+
+1. compensate   ``h = g + e``                      (``e = 0`` without error feedback)
+2. quantise     ``q, s = Q_b(h)``                  (:mod:`loco_megatron.loco.quantize`)
+3. update error ``e <- beta*e + (1-beta)*(h - D(q, s))``
+4. reset        ``e = 0`` at every ``reset_interval``-th step (before compensating)
+
+The error is stored block-wise in int8 with an fp32 scale per block (about 1.016
+bytes per element at block 256) unless ``error_bits`` asks for bf16/fp32. If ``h`` has
+a NaN/Inf the stored error is left exactly as it was (selected with ``torch.where``,
+no host sync), so a non-finite value can never enter the error buffer; the codes and
+scales still carry the overflow to the receiver.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from loco_megatron.loco import quantize as qz
+
+
+class LoCoCompressor:
+    """LoCo compressor for one flat buffer of ``numel`` elements (padded to whole blocks)."""
+
+    def __init__(self, numel: int, bits: int = 4, beta: float = 0.8, block_size: int = 256,
+                 error_bits: int = 8, reset_interval: int = 1024, error_feedback: bool = True,
+                 device: Optional[torch.device] = None):
+        if bits not in qz.SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {qz.SUPPORTED_BITS}, got {bits}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        if error_bits not in (8, 16, 32):
+            raise ValueError(f"error_bits must be 8, 16 or 32, got {error_bits}")
+        if block_size <= 0 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+        self.numel, self.bits, self.beta = numel, bits, beta
+        self.block_size, self.error_bits = block_size, error_bits
+        self.reset_interval, self.error_feedback = reset_interval, error_feedback
+        self.num_blocks = qz.num_blocks(numel, block_size)
+        self.padded_numel = self.num_blocks * block_size
+        self.step = 0
+        """Number of compress() calls so far (one per optimizer step); drives the reset."""
+        dev = device or torch.device("cpu")
+        if not error_feedback:
+            self._err = self._err_scales = None
+        elif error_bits == 8:
+            self._err = torch.zeros(self.num_blocks, block_size, dtype=torch.int8, device=dev)
+            self._err_scales = torch.zeros(self.num_blocks, dtype=torch.float32, device=dev)
+        else:
+            dtype = torch.bfloat16 if error_bits == 16 else torch.float32
+            self._err = torch.zeros(self.num_blocks, block_size, dtype=dtype, device=dev)
+            self._err_scales = None
+
+    # -- error storage ---------------------------------------------------------------
+    def _error_blocks(self) -> torch.Tensor:
+        """fp32 ``[num_blocks, block_size]`` view of the stored error."""
+        if self._err is None:
+            return torch.zeros(self.num_blocks, self.block_size, device=torch.device("cpu"))
+        if self.error_bits == 8:
+            return self._err.float() * self._err_scales.unsqueeze(1)
+        return self._err.float()
+
+    def _store_error(self, e: torch.Tensor, finite: torch.Tensor) -> None:
+        if self.error_bits == 8:
+            scales = qz.block_scales(e, 8)
+            codes = qz.quantize_to_int(e, scales, 8)
+            self._err.copy_(torch.where(finite, codes, self._err))
+            self._err_scales.copy_(torch.where(finite, scales, self._err_scales))
+        else:
+            self._err.copy_(torch.where(finite, e.to(self._err.dtype), self._err))
+
+    def error(self) -> torch.Tensor:
+        """The current error ``e`` as fp32, ``numel`` elements."""
+        return self._error_blocks().reshape(-1)[: self.numel].clone()
+
+    def error_nbytes(self) -> int:
+        """Bytes held across steps for the error (codes + scales)."""
+        if self._err is None:
+            return 0
+        n = self._err.numel() * self._err.element_size()
+        return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
+
+    # -- the algorithm ---------------------------------------------------------------
+    def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-4 for one gradient ``grad`` (``numel`` elements, any float dtype).
+
+        Returns ``(codes, scales)`` as :func:`quantize_blockwise` does and advances the
+        error state and the step counter.
+        """
+        if grad.numel() != self.numel:
+            raise ValueError(f"expected {self.numel} elements, got {grad.numel()}")
+        if self.reset_interval and self.step and self.step % self.reset_interval == 0:
+            self.reset()
+        g = qz._blocks(grad, self.block_size)
+        if self.error_feedback:
+            e = self._error_blocks()
+            h = g + e
+        else:
+            h = g
+        scales = qz.block_scales(h, self.bits)
+        q = qz.quantize_to_int(h, scales, self.bits)
+        if self.error_feedback:
+            residual = h - q.float() * scales.unsqueeze(1)
+            new_e = e.mul_(self.beta).add_(residual, alpha=1.0 - self.beta)
+            self._store_error(new_e, torch.isfinite(h).all())
+        self.last_h_blocks = None
+        self.step += 1
+        return qz.pack_codes(q, self.bits), scales
+
+    def reset(self) -> None:
+        """``e = 0``."""
+        if self._err is not None:
+            self._err.zero_()
+        if self._err_scales is not None:
+            self._err_scales.zero_()
+
+    # -- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {"step": self.step, "numel": self.numel, "bits": self.bits,
+              "block_size": self.block_size, "error_bits": self.error_bits}
+        if self._err is not None:
+            sd["error"] = self._err.clone()
+        if self._err_scales is not None:
+            sd["error_scales"] = self._err_scales.clone()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("numel", "block_size", "error_bits"):
+            if sd.get(key) != getattr(self, key):
+                raise ValueError(f"LoCo state has {key}={sd.get(key)}, this run has {getattr(self, key)}")
+        self.step = int(sd["step"])
+        if self._err is not None:
+            self._err.copy_(sd["error"])
+        if self._err_scales is not None:
+            self._err_scales.copy_(sd["error_scales"])

@@ -1,0 +1,87 @@
+"""The run's one metrics sink: console line, JSON-lines file, wandb. Rank 0 only.
+
+Keys are namespaced (``train/…``, ``eval/…``, ``comm/…``, ``loco/…``, ``mem/…``).
+wandb is imported only when ``--wandb-project`` is set, and runs offline (a local
+run directory that ``wandb sync`` uploads later) when there is no API key or
+``WANDB_MODE=offline``, so a run never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Optional
+
+from loco_megatron.config import LoggingConfig
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggingConfig, run_config: dict, enabled: bool, wandb_offline: bool,
+                 print_fn=print):
+        self.enabled, self.print = enabled, print_fn
+        self._jsonl = None
+        self._wandb = None
+        if not enabled:
+            return
+        if cfg.metrics_jsonl:
+            path = pathlib.Path(cfg.metrics_jsonl)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(path, "a", buffering=1)
+            self._jsonl.write(json.dumps({"config": run_config}) + "\n")
+        if cfg.wandb_project:
+            import wandb
+
+            save_dir = cfg.wandb_save_dir or "wandb"
+            pathlib.Path(save_dir).mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb.init(
+                project=cfg.wandb_project, name=cfg.wandb_exp_name, group=cfg.wandb_group,
+                tags=[t for t in (cfg.wandb_tags or "").split(",") if t] or None,
+                dir=save_dir, config=run_config, mode="offline" if wandb_offline else "online",
+                settings=wandb.Settings(init_timeout=60, silent=True),
+            )
+            self._wandb.define_metric("train/tokens_seen")
+            self._wandb.define_metric("train/lm_loss_vs_tokens", step_metric="train/tokens_seen")
+
+    def log(self, iteration: int, metrics: dict, total_iters: Optional[int] = None) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        if self._wandb is not None:
+            extra = {}
+            if "train/lm_loss" in metrics:
+                extra["train/lm_loss_vs_tokens"] = metrics["train/lm_loss"]
+            self._wandb.log({**metrics, **extra}, step=iteration)
+        self.print(self._line(iteration, metrics, total_iters), flush=True)
+
+    @staticmethod
+    def _line(it: int, m: dict, total: Optional[int]) -> str:
+        parts = [f"iter {it}" + (f"/{total}" if total else "")]
+        if "train/lm_loss" in m:
+            parts += [f"loss {m['train/lm_loss']:.4f}", f"lr {m['train/lr']:.2e}",
+                      f"grad norm {m['train/grad_norm']:.3f}", f"tokens/s {m['train/tokens_per_s']:.0f}",
+                      f"step {m['train/step_s']:.3f}s"]
+            if "comm/grad_sync_total_s" in m:
+                parts.append(f"comm {m['comm/grad_sync_total_s'] * 1e3:.1f}ms "
+                             f"(exposed {m['comm/grad_sync_exposed_s'] * 1e3:.1f}ms, "
+                             f"x{m['comm/compression_ratio']:.3f} bytes)")
+            if total:
+                parts.append(f"ETA {_fmt_eta((total - it) * m['train/step_s'])}")
+            if m.get("train/skipped_iters"):
+                parts.append(f"skipped {int(m['train/skipped_iters'])}")
+        if "eval/lm_loss" in m:
+            parts += [f"eval loss {m['eval/lm_loss']:.4f}", f"eval ppl {m['eval/ppl']:.2f}"]
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,213 @@
+"""Device/backend selection and the CPU compatibility layer for megatron-core.
+
+One code path for CPU and GPU: on a CUDA host this module only picks NCCL and the
+current CUDA device. On a host without CUDA, :func:`cpu_compat` is a context manager
+that redirects the few places where megatron-core 0.16 hard-codes CUDA, so that the
+*unmodified* library (its DDP buckets, distributed optimizer, schedules, TP/PP/EP
+layers) trains over gloo:
+
+* ``torch.cuda.current_device()`` -> the CPU device (megatron allocates the grad /
+  param buffers on it);
+* ``device='cuda'`` tensor factories and ``Tensor.cuda()`` / ``.to('cuda')`` -> CPU,
+  through a :class:`torch.overrides.TorchFunctionMode`;
+* ``Tensor.type()`` -> the ``torch.cuda.*Tensor`` names that the distributed optimizer
+  compares against;
+* ``torch.cuda`` Stream / Event / stream() / current_stream / default_stream /
+  synchronize / nvtx -> torch.cpu stand-ins or no-ops;
+* the CUDA RNG get/set used by megatron's RNG tracker -> the CPU generator (same
+  semantics: fork/restore one global generator).
+
+Two fixes apply on every host (:func:`megatron_fixes`):
+
+* ``moe_utils.te_general_gemm`` is left undefined by megatron-core 0.16.1 when
+  TransformerEngine is absent; it is defined as ``None`` (the library's own fallback).
+* the MoE all-to-all token dispatcher passes numpy arrays as split sizes to
+  ``torch.distributed.all_to_all_single``, which torch 2.13 rejects; they are turned
+  into lists.
+
+Everything patched is restored when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "platform_context"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """Where this process computes and how it communicates."""
+
+    device: torch.device
+    """``cuda:<local_rank>`` on GPU hosts, ``cpu`` otherwise."""
+    backend: str
+    """torch.distributed backend: ``nccl`` on CUDA, ``gloo`` on CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def detect_platform(local_rank: int, force_cpu: bool = False) -> Platform:
+    """Pick the device and the backend for this rank."""
+    if torch.cuda.is_available() and not force_cpu:
+        return Platform(torch.device("cuda", local_rank), "nccl")
+    return Platform(torch.device("cpu"), "gloo")
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # megatron passes torch.cuda.current_device() (an int on GPU) as device.
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+_CPU_TYPE_TO_CUDA = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placement requests to CPU for every torch function call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's distributed optimizer dispatches on these strings.
+            name = func(*args)
+            return _CPU_TYPE_TO_CUDA.get(name, name)
+        return func(*args, **kwargs)
+
+
+class _NoOpRange:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch(stack: contextlib.ExitStack, obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name = value`` until ``stack`` closes."""
+    missing = object()
+    old = getattr(obj, name, missing)
+    setattr(obj, name, value)
+    if old is missing:
+        stack.callback(delattr, obj, name)
+    else:
+        stack.callback(setattr, obj, name, old)
+
+
+def _cpu_rng_get(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+@contextlib.contextmanager
+def cpu_compat() -> Iterator[None]:
+    """Let unmodified megatron-core run on a host without CUDA (see module doc)."""
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    cpu = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        cuda = torch.cuda
+        _patch(stack, cuda, "current_device", lambda: cpu)
+        _patch(stack, cuda, "Stream", torch.cpu.Stream)
+        _patch(stack, cuda, "Event", _WallClockEvent)
+        _patch(stack, cuda, "stream", torch.cpu.stream)
+        _patch(stack, cuda, "current_stream", torch.cpu.current_stream)
+        _patch(stack, cuda, "default_stream", torch.cpu.current_stream)
+        _patch(stack, cuda, "synchronize", lambda *a, **k: None)
+        _patch(stack, cuda, "get_rng_state", _cpu_rng_get)
+        _patch(stack, cuda, "set_rng_state", _cpu_rng_set)
+        _patch(stack, cuda, "manual_seed", _cpu_manual_seed)
+        _patch(stack, cuda.nvtx, "range_push", lambda *a, **k: None)
+        _patch(stack, cuda.nvtx, "range_pop", lambda *a, **k: None)
+        _patch(stack, cuda.nvtx, "range", lambda *a, **k: _NoOpRange())
+        _patch(stack, mcore_random, "_get_cuda_rng_state", _cpu_rng_get)
+        _patch(stack, mcore_random, "_set_cuda_rng_state", _cpu_rng_set)
+        stack.enter_context(_CudaToCpuMode())
+        yield
+
+
+class _WallClockEvent:
+    """Stand-in for ``torch.cuda.Event`` on CPU: records wall-clock time."""
+
+    def __init__(self, enable_timing: bool = False, **kwargs):
+        self._t = None
+
+    def record(self, stream=None):
+        import time
+
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end: "_WallClockEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+
+def _splits_as_lists(all_to_all: Callable) -> Callable:
+    def all_to_all_with_list_splits(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        def as_list(s):
+            return s.tolist() if hasattr(s, "tolist") else s
+
+        return all_to_all(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
+
+    return all_to_all_with_list_splits
+
+
+@contextlib.contextmanager
+def megatron_fixes() -> Iterator[None]:
+    """Fixes for megatron-core 0.16.1 bugs that hit every host (see module doc)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    with contextlib.ExitStack() as stack:
+        if not hasattr(moe_utils, "te_general_gemm"):
+            _patch(stack, moe_utils, "te_general_gemm", None)
+        _patch(stack, token_dispatcher, "all_to_all", _splits_as_lists(token_dispatcher.all_to_all))
+        yield
+
+
+@contextlib.contextmanager
+def platform_context(platform: Platform) -> Iterator[None]:
+    """Everything megatron-core needs on this platform, for the duration of a run."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(megatron_fixes())
+        if platform.is_cuda:
+            torch.cuda.set_device(platform.device)
+        else:
+            stack.enter_context(cpu_compat())
+        yield

@@ -1,0 +1,1 @@
+"""The training loop (:mod:`.trainer`) and its state objects (:mod:`.state`)."""

@@ -1,0 +1,197 @@
+"""``train()``: set-up, the loop, evaluation, metrics and checkpoints, top to bottom."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.checkpoint import Checkpointer
+from loco_megatron.cli import LaunchEnv
+from loco_megatron.config import Config
+from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
+from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
+from loco_megatron.loco.megatron_hook import GradSyncHook
+from loco_megatron.metrics.comm import CommStats
+from loco_megatron.metrics.logger import MetricsLogger
+from loco_megatron.model import build_model, padded_vocab_size
+from loco_megatron.optimizer import build_optimizer, build_scheduler
+from loco_megatron.platform import Platform, detect_platform, platform_context
+from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
+from loco_megatron.training.step import evaluate, train_step
+
+
+def train(config: Config, env: LaunchEnv) -> dict:
+    """Run the configured pretraining; returns rank 0's last logged metrics."""
+    # Everything that can be validated without the process group is, before it exists.
+    config.data_parallel_size(env.world_size)
+    cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
+    sources = resolve_data(config, cache_dir)
+    Checkpointer(None, config.checkpoint.load, env.rank, {}).find_resume_dir()
+
+    platform = detect_platform(env.local_rank)
+    with platform_context(platform):
+        layout = init_distributed(config, platform, env.rank, env.world_size)
+        try:
+            return _train(config, env, platform, layout, sources, cache_dir)
+        finally:
+            shutdown_distributed()
+
+
+def _configure_schedules(model_chunks: list, optimizer) -> None:
+    """Hooks megatron's schedules call: loss scaling, grad-sync suppression between
+    micro batches, and the final wait/reduction of all gradients."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model_chunks[0].config
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model_chunks[0].no_sync
+    config.grad_sync_func = model_chunks[0].start_grad_sync
+
+
+def _reduce_for_logging(value: torch.Tensor, layout: ParallelLayout) -> float:
+    """Mean over data-parallel ranks of a last-stage value, delivered to every stage."""
+    from megatron.core import parallel_state as ps
+
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=ps.get_data_parallel_group())
+    value /= layout.dp_size
+    if layout.pp_size > 1:  # non-last stages contribute zeros
+        dist.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
+    return value.item()
+
+
+def _comm_across_ranks(comm: dict, steps: int, device) -> dict:
+    """Per-step means of this rank's comm figures -> mean and max over all ranks."""
+    keys = sorted(comm)
+    local = torch.tensor([comm[k] / steps for k in keys], dtype=torch.float64, device=device)
+    mean, top = local.clone(), local.clone()
+    dist.all_reduce(mean)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    mean /= dist.get_world_size()
+    out = {k: mean[i].item() for i, k in enumerate(keys)}
+    out.update({f"{k}_max": top[i].item() for i, k in enumerate(keys)})
+    raw = out["comm/grad_bytes_uncompressed"]
+    out["comm/compression_ratio"] = out["comm/grad_bytes_sent"] / raw if raw else 1.0
+    return out
+
+
+def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
+           cache_dir: str) -> dict:
+    d, t = config.data, config.train
+    device = platform.device
+    vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
+    model = build_model(config, layout, vocab, device)
+    chunks = [model]
+    optimizer = build_optimizer(config, chunks)
+    scheduler = build_scheduler(config, optimizer)
+    comm_stats = CommStats()
+    grad_sync = GradSyncHook(chunks, config.loco, comm_stats)
+    _configure_schedules(chunks, optimizer)
+
+    train_ds, valid_ds = build_datasets(config, sources, cache_dir)
+    batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size,
+                                 layout.dp_rank, layout.dp_size)
+    state = TrainerState()
+    stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
+                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync}
+    layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
+                  "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
+                  "model": [config.model.num_layers, config.model.hidden_size, vocab,
+                            config.model.num_experts], "loco_bits": config.loco.loco_bits,
+                  "loco_block_size": config.loco.loco_block_size}
+    ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key)
+    resume = ckpt.find_resume_dir()
+    if resume is not None:
+        ckpt.load(resume, stateful)
+    logger = MetricsLogger(config.logging, config.to_flat_dict(), layout.is_logging_rank,
+                           env.wandb_offline)
+    if resume is not None and layout.is_logging_rank:
+        print(f"resumed from {resume} at iteration {state.iteration}", flush=True)
+
+    nan_iter, nan_rank = t.nan_injection()
+    tokens_per_step = d.global_batch_size * config.model.seq_length
+    last: dict = {}
+    window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
+              "grad_norm": 0.0, "skipped": 0, "comm": {}}
+    try:
+        while state.iteration < t.train_iters:
+            grad_sync.iteration = state.iteration
+            t_step = time.perf_counter()
+            result = train_step(chunks, optimizer, scheduler, batches.step(), batches.num_microbatches,
+                                config.model.seq_length, d.micro_batch_size, device,
+                                poison=(state.iteration == nan_iter and layout.rank == nan_rank))
+            state.iteration += 1
+            state.tokens_seen += tokens_per_step
+            state.train_time_s += time.perf_counter() - t_step
+            _accumulate(window, result, comm_stats.take())
+
+            if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
+                last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
+                                   t.train_iters)
+            if t.eval_interval and (state.iteration % t.eval_interval == 0
+                                    or state.iteration == t.train_iters):
+                last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
+            if ckpt.save_root and config.checkpoint.save_interval and \
+                    state.iteration % config.checkpoint.save_interval == 0:
+                ckpt.save(state.iteration, stateful)
+        if ckpt.save_root and not (config.checkpoint.save_interval
+                                   and state.iteration % config.checkpoint.save_interval == 0):
+            ckpt.save(state.iteration, stateful)
+    finally:
+        logger.close()
+    return last
+
+
+def _accumulate(window: dict, result, comm: dict) -> None:
+    if result.loss is not None and not result.skipped:
+        window["loss"] += result.loss
+    window["steps"] += 1
+    window["skipped"] += int(result.skipped)
+    if not result.skipped:
+        window["grad_norm"] = result.grad_norm
+    for k, v in comm.items():
+        window["comm"][k] = window["comm"].get(k, 0.0) + v
+
+
+def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
+                tokens_per_step: int, logger: MetricsLogger, total_iters: int) -> dict:
+    """Reduce the interval's figures across ranks (only here, not every step) and log."""
+    steps = window["steps"]
+    counted = max(steps - window["skipped"], 1)
+    elapsed = time.perf_counter() - window["t0"]
+    metrics = {
+        "train/lm_loss": _reduce_for_logging(window["loss"] / counted, layout),
+        "train/grad_norm": window["grad_norm"],
+        "train/lr": optimizer.param_groups[0]["lr"],
+        "train/step_s": elapsed / steps,
+        "train/tokens_per_s": tokens_per_step * steps / elapsed,
+        "train/skipped_iters": state.skipped_iters + window["skipped"],
+        "train/tokens_seen": state.tokens_seen,
+        "mem/peak_bytes": peak_memory_bytes(device),
+    }
+    state.skipped_iters += window["skipped"]
+    metrics.update(_comm_across_ranks(window["comm"], steps, device))
+    logger.log(state.iteration, metrics, total_iters)
+    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={})
+    return metrics
+
+
+def _run_eval(config: Config, chunks: list, valid_ds, layout: ParallelLayout, device,
+              state: TrainerState, logger: MetricsLogger) -> dict:
+    d, t = config.data, config.train
+    if not t.eval_iters:
+        return {}
+    # The same validation samples at every evaluation, so evaluations compare.
+    it = MicroBatchIterator(valid_ds, d.global_batch_size, d.micro_batch_size, layout.dp_rank, layout.dp_size)
+    steps = [it.step() for _ in range(t.eval_iters)]
+    loss = evaluate(chunks, steps, it.num_microbatches, config.model.seq_length, d.micro_batch_size, device)
+    value = _reduce_for_logging(loss if loss is not None else torch.zeros((), device=device), layout)
+    metrics = {"eval/lm_loss": value, "eval/ppl": math.exp(min(value, 50.0))}
+    logger.log(state.iteration, metrics)
+    return metrics

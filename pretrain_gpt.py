@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""Megatron-Core GPT / MoE pretraining with LoCo low-bit gradient communication.
+
+    torchrun --nproc_per_node 2 pretrain_gpt.py                 # tiny default, CPU or GPU
+    torchrun --nproc_per_node 2 pretrain_gpt.py --loco-bits 4   # with 4-bit LoCo
+    torchrun ... pretrain_gpt.py --config configs/gpt_125m.yaml --data-path ... --tokenizer-model ...
+
+Flags follow Megatron-LM's names; ``--help`` lists them. A ``--config`` YAML file
+(keys = flag names) is read first, command-line flags override it.
+"""
+
+import sys
+import warnings
+
+from loco_megatron.cli import main_config
+from loco_megatron.config import ConfigError
+
+
+def main() -> int:
+    config, env = main_config()
+    # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    from loco_megatron.training.trainer import train  # heavy imports after parsing
+
+    try:
+        train(config, env)
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
