@@ -19,7 +19,8 @@ from loco_megatron.config import ConfigError
 def main() -> int:
     config, env = main_config()
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
     from loco_megatron.training.trainer import train  # heavy imports after parsing
 
     try:

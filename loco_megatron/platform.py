@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -136,11 +136,11 @@ def cpu_compat() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         cuda = torch.cuda
         _patch(stack, cuda, "current_device", lambda: cpu)
-        _patch(stack, cuda, "Stream", torch.cpu.Stream)
+        _patch(stack, cuda, "Stream", _CpuStream)
         _patch(stack, cuda, "Event", _WallClockEvent)
         _patch(stack, cuda, "stream", torch.cpu.stream)
-        _patch(stack, cuda, "current_stream", torch.cpu.current_stream)
-        _patch(stack, cuda, "default_stream", torch.cpu.current_stream)
+        _patch(stack, cuda, "current_stream", _CpuStream.current)
+        _patch(stack, cuda, "default_stream", _CpuStream.current)
         _patch(stack, cuda, "synchronize", lambda *a, **k: None)
         _patch(stack, cuda, "get_rng_state", _cpu_rng_get)
         _patch(stack, cuda, "set_rng_state", _cpu_rng_set)
@@ -154,6 +154,34 @@ def cpu_compat() -> Iterator[None]:
         yield
 
 
+class _CpuStream(torch.cpu.Stream):
+    """``torch.cuda.Stream`` stand-in: CPU work is ordered, so waits are no-ops and
+    ``record_event`` returns an event (torch.cpu.Stream's returns None)."""
+
+    _CURRENT = None
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or _WallClockEvent()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    @classmethod
+    def current(cls, device=None) -> "_CpuStream":
+        # One shared instance so megatron's ``current_stream() != side_stream`` tests work.
+        if cls._CURRENT is None:
+            cls._CURRENT = cls()
+        return cls._CURRENT
+
+
 class _WallClockEvent:
     """Stand-in for ``torch.cuda.Event`` on CPU: records wall-clock time."""
 
@@ -161,8 +189,6 @@ class _WallClockEvent:
         self._t = None
 
     def record(self, stream=None):
-        import time
-
         self._t = time.perf_counter()
 
     def synchronize(self):

@@ -46,11 +46,19 @@ class OptimizerState:
             out.append({"optimizer": opt.state_dict(), "params": params})
         return out
 
+    @torch.no_grad()  # megatron copies into views of leaf params
     def load_state_dict(self, sd: list) -> None:
         for opt, opt_sd in zip(sub_optimizers(self.optimizer), sd):
             opt.load_state_dict(opt_sd["optimizer"])
             if opt_sd["params"] is not None:
                 opt.load_parameter_state_from_dp_reshardable(opt_sd["params"])
+            # megatron-core 0.16's DistributedOptimizer.load_state_dict gives every param
+            # the *same* 'step' tensor; torch's foreach Adam then increments it once per
+            # param per step, corrupting bias correction after a resume. Un-alias it.
+            inner = getattr(opt, "optimizer", None)
+            for param_state in (inner.state.values() if inner is not None else ()):
+                if torch.is_tensor(param_state.get("step")):
+                    param_state["step"] = param_state["step"].clone()
 
 
 @dataclasses.dataclass

@@ -26,7 +26,8 @@ def _loss_func(loss_mask: torch.Tensor, poison: bool, output_tensor: torch.Tenso
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     if poison:
         loss = loss * float("nan")
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the micro-batch count.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def make_forward_step(device: torch.device, poison: bool = False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import pathlib
 import time
-from typing import Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,12 @@ from loco_megatron.training.state import ModelState, OptimizerState, TrainerStat
 from loco_megatron.training.step import evaluate, train_step
 
 
-def train(config: Config, env: LaunchEnv) -> dict:
-    """Run the configured pretraining; returns rank 0's last logged metrics."""
+def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSyncHook) -> dict:
+    """Run the configured pretraining; returns rank 0's last logged metrics.
+
+    ``grad_sync_factory(model_chunks, loco_config, comm_stats)`` installs the gradient
+    sync (LoCo or timed megatron); pass another callable to swap it out.
+    """
     # Everything that can be validated without the process group is, before it exists.
     config.data_parallel_size(env.world_size)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
@@ -37,7 +41,7 @@ def train(config: Config, env: LaunchEnv) -> dict:
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size)
         try:
-            return _train(config, env, platform, layout, sources, cache_dir)
+            return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory)
         finally:
             shutdown_distributed()
 
@@ -82,7 +86,7 @@ def _comm_across_ranks(comm: dict, steps: int, device) -> dict:
 
 
 def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
-           cache_dir: str) -> dict:
+           cache_dir: str, grad_sync_factory: Callable) -> dict:
     d, t = config.data, config.train
     device = platform.device
     vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
@@ -91,7 +95,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats()
-    grad_sync = GradSyncHook(chunks, config.loco, comm_stats)
+    grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     _configure_schedules(chunks, optimizer)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
@@ -121,7 +125,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
               "grad_norm": 0.0, "skipped": 0, "comm": {}}
     try:
         while state.iteration < t.train_iters:
-            grad_sync.iteration = state.iteration
+            grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
             t_step = time.perf_counter()
             result = train_step(chunks, optimizer, scheduler, batches.step(), batches.num_microbatches,
                                 config.model.seq_length, d.micro_batch_size, device,
