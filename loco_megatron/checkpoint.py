@@ -21,6 +21,7 @@ import os
 import pathlib
 import random
 import shutil
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -75,8 +76,11 @@ class Checkpointer:
         if not text.isdigit():
             raise ConfigError(f"--load: {latest} does not hold an iteration number")
         path = _iter_dir(self.load_root, int(text))
-        if not (path / f"rank_{self.rank:05d}.pt").is_file():
+        file = path / f"rank_{self.rank:05d}.pt"
+        if not file.is_file():
             raise ConfigError(f"--load: {path} has no file for rank {self.rank}")
+        if not zipfile.is_zipfile(file):  # torch.save's format; cheap check before any set-up
+            raise ConfigError(f"--load: {file} is not a readable checkpoint")
         return path
 
     # -- save ---------------------------------------------------------------------------

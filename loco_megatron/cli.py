@@ -36,6 +36,9 @@ class LaunchEnv:
     local_world_size: int = 1
     cache_home: str = str(pathlib.Path.home() / ".cache")
     wandb_offline: bool = True
+    init_method: str = "env://"
+    """torch.distributed rendezvous: torchrun's env://, or a private TCP port for a
+    single process started without torchrun."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -45,7 +48,15 @@ class LaunchEnv:
         offline = environ.get("WANDB_MODE", "") in ("offline", "disabled") or not (
             environ.get("WANDB_API_KEY") or pathlib.Path.home().joinpath(".netrc").exists()
         )
+        init_method = "env://"
+        if "MASTER_ADDR" not in environ and as_int("WORLD_SIZE", 1) == 1:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         return cls(
+            init_method=init_method,
             rank=as_int("RANK", 0),
             world_size=as_int("WORLD_SIZE", 1),
             local_rank=as_int("LOCAL_RANK", 0),

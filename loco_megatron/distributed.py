@@ -38,7 +38,8 @@ class ParallelLayout:
         return self.rank == 0
 
 
-def init_distributed(config: Config, platform: Platform, rank: int, world_size: int) -> ParallelLayout:
+def init_distributed(config: Config, platform: Platform, rank: int, world_size: int,
+                     init_method: str = "env://") -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; seed the RNGs."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -46,7 +47,7 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
     p = config.parallel
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=platform.backend, rank=rank, world_size=world_size,
+            backend=platform.backend, rank=rank, world_size=world_size, init_method=init_method,
             timeout=datetime.timedelta(minutes=config.train.distributed_timeout_minutes))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,

@@ -105,9 +105,9 @@ class LoCoCompressor:
         q = qz.quantize_to_int(h, scales, self.bits)
         if self.error_feedback:
             residual = h - q.float() * scales.unsqueeze(1)
-            new_e = e.mul_(self.beta).add_(residual, alpha=1.0 - self.beta)
+            # Out of place: with fp32 storage ``e`` *is* the buffer, which must survive a NaN.
+            new_e = torch.add(e * self.beta, residual, alpha=1.0 - self.beta)
             self._store_error(new_e, torch.isfinite(h).all())
-        self.last_h_blocks = None
         self.step += 1
         return qz.pack_codes(q, self.bits), scales
 

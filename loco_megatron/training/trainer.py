@@ -39,7 +39,7 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
 
     platform = detect_platform(env.local_rank)
     with platform_context(platform):
-        layout = init_distributed(config, platform, env.rank, env.world_size)
+        layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method)
         try:
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory)
         finally:
