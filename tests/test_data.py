@@ -2,7 +2,7 @@
 
 import torch
 
-from loco_megatron.config import Config, DataConfig, ModelConfig, TrainConfig
+from loco_megatron.config import Config, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
 from loco_megatron.data.dataset import DataSources, MicroBatchIterator, build_datasets
 from loco_megatron.data.indexed import check_indexed_dataset, write_indexed_dataset
 from loco_megatron.data.tokenizer import load_tokenizer, train_sentencepiece
@@ -25,9 +25,8 @@ def test_text_to_gpt_dataset_round_trip(tmp_path):
 
     cfg = Config(model=ModelConfig(seq_length=32, num_layers=1, hidden_size=32, num_attention_heads=2),
                  data=DataConfig(split="100,0,0", global_batch_size=4, micro_batch_size=2),
-                 train=TrainConfig(train_iters=2, eval_interval=0))
-    import megatron.core.datasets.gpt_dataset as gd
-
+                 train=TrainConfig(train_iters=2, eval_interval=0),
+                 optimizer=OptimizerConfig(lr_warmup_iters=0))
     train, _ = build_datasets(cfg, DataSources(prefix, model, tok), str(tmp_path / "cache"))
     # Unshuffled view of the first epoch: sample k's tokens are a window of the stream.
     stream = torch.tensor(expected)
