@@ -18,7 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, numel, bits, all_gather, queue):
+def _worker(rank, world, port, numel, bits, all_gather, queue, collected):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -42,19 +42,24 @@ def _worker(rank, world, port, numel, bits, all_gather, queue):
             dist.all_reduce(plain)
             results.append((g.clone(), gathered, plain, nbytes))
         queue.put((rank, results))
+        # Stay alive until the parent has read every result (a child exiting while its
+        # queue data is in flight resets the pipe), and leave the store together.
+        collected.wait(timeout=120)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def _run(world, numel, bits, all_gather):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, collected = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, numel, bits, all_gather, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, numel, bits, all_gather, queue, collected))
              for r in range(world)]
     for p in procs:
         p.start()
     out = dict(queue.get(timeout=120) for _ in procs)
+    collected.set()
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
