@@ -110,3 +110,25 @@ def test_error_memory_is_about_one_byte_per_element():
     """Guards against keeping fp32 error copies across steps (spec: <= ~1.1 B/element)."""
     c = LoCoCompressor(1 << 20, bits=4)
     assert c.error_nbytes() / (1 << 20) <= 1.1
+
+
+def test_last_stats_match_direct_computation():
+    """Guards against wrong loco/error_rms or loco/quant_rel_error inputs: the sums the
+    compressor reports equal the error and residual computed from scratch."""
+    torch.manual_seed(5)
+    c = LoCoCompressor(1000, bits=4, beta=0.8, error_bits=32)
+    c.compress(torch.randn(1000))
+    e0 = c.error()
+    g = torch.randn(1000)
+    codes, scales = c.compress(g)
+    h = g + e0
+    resid = h - dequantize_blockwise(codes, scales, 4, 256, 1000)
+    err_sq, resid_sq, h_sq, numel = c.last_stats.tolist()
+    assert numel == 1000
+    assert h_sq == pytest.approx(float((h * h).sum()), rel=1e-5)
+    assert resid_sq == pytest.approx(float((resid * resid).sum()), rel=1e-4)
+    assert err_sq == pytest.approx(float((c.error() ** 2).sum()), rel=1e-4)
+    bad = g.clone()
+    bad[7] = float("nan")
+    c.compress(bad)
+    assert torch.equal(c.last_stats, torch.zeros(4))  # a skipped step adds nothing to the metrics

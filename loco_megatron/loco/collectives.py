@@ -16,13 +16,13 @@ reduction. Layout for a flat buffer of ``N = W * S`` elements over ``W`` ranks:
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from loco_megatron.loco import quantize as qz
+from loco_megatron.metrics.comm import WallClock
 
 
 class ShardLayout:
@@ -73,34 +73,35 @@ class CompressedReduceScatterWork:
     """Handle of an in-flight compressed reduce-scatter; ``wait()`` completes it.
 
     After ``wait()``: ``out`` holds this rank's reduced shard (and, with
-    ``all_gather_group``, the full buffer holds every reduced shard). ``launch_t``,
-    ``done_t`` (perf_counter seconds) and ``decompress_s`` describe what it cost.
+    ``all_gather_group``, the full buffer holds every reduced shard). The clock marks
+    ``launch_mark``, ``decompress_marks`` (start, end) and ``done_mark`` describe what
+    it cost (see :mod:`loco_megatron.metrics.comm`).
     """
 
     def __init__(self, work, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
-                 group, gather_into: Optional[torch.Tensor], scale: float, launch_t: float):
+                 group, gather_into: Optional[torch.Tensor], scale: float, clock, launch_mark):
         self._work, self._recv, self._layout, self._out = work, recv, layout, out
         self._group, self._gather_into, self._scale = group, gather_into, scale
-        self.launch_t = launch_t
-        self.done_t: Optional[float] = None
-        self.decompress_s = 0.0
+        self.clock, self.launch_mark = clock, launch_mark
+        self.done_mark = None
+        self.decompress_marks: Optional[tuple] = None
 
     def wait(self) -> None:
-        if self.done_t is not None:
+        if self.done_mark is not None:
             return
         if self._work is not None:
             self._work.wait()
-        t0 = time.perf_counter()
+        start = self.clock.mark()
         total = decompress_sum(self._recv, self._layout)
         if self._scale != 1.0:
             total.mul_(self._scale)
         self._out.copy_(total)
-        self.decompress_s = time.perf_counter() - t0
+        self.decompress_marks = (start, self.clock.mark())
         if self._gather_into is not None:
             # Without the distributed optimizer every rank needs the whole reduced
             # buffer: gather the reduced shards at the gradient dtype.
             dist.all_gather_into_tensor(self._gather_into, self._out.clone(), group=self._group)
-        self.done_t = time.perf_counter()
+        self.done_mark = self.clock.mark()
         self._recv = None
 
 
@@ -112,6 +113,7 @@ def compressed_reduce_scatter(
     async_op: bool = True,
     all_gather: bool = False,
     average: bool = False,
+    clock=None,
 ) -> tuple[CompressedReduceScatterWork, int]:
     """Launch the compressed reduce-scatter of flat ``buffer`` over ``group``.
 
@@ -119,18 +121,20 @@ def compressed_reduce_scatter(
     :class:`LoCoCompressor`'s ``compress``). The reduced shard lands in this rank's
     shard of ``buffer``; with ``all_gather`` every shard does. Returns the work handle
     and the number of payload bytes this rank sent. With ``async_op=False`` the
-    handle is already complete.
+    handle is already complete. ``clock`` marks launch and completion (wall-clock
+    by default).
     """
+    clock = clock or WallClock()
     rank = dist.get_rank(group)
     codes, scales = compress(layout.padded(buffer).reshape(-1))
     send = layout.pack(codes, scales)
     recv = torch.empty_like(send)
-    launch_t = time.perf_counter()
+    launch = clock.mark()
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
     out = buffer.view(layout.world, layout.shard)[rank]
     handle = CompressedReduceScatterWork(
         work, recv, layout, out, group, buffer if all_gather else None,
-        1.0 / layout.world if average else 1.0, launch_t)
+        1.0 / layout.world if average else 1.0, clock, launch)
     if not async_op:
         handle.wait()
     return handle, send.numel()

@@ -23,6 +23,26 @@ import torch
 from loco_megatron.loco import quantize as qz
 
 
+class Workspace:
+    """Scratch buffers reused across calls and buckets, grown to the largest request.
+
+    Compression of one bucket finishes before the next starts (same stream), so one
+    workspace serves every bucket of a run: the transient memory is two fp32 copies of
+    the largest bucket, never of the whole model.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, device) -> torch.Tensor:
+        n = shape[0] * shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.device != torch.device(device):
+            buf = torch.empty(n, dtype=torch.float32, device=device)
+            self._buffers[name] = buf
+        return buf[:n].view(shape)
+
+
 class LoCoCompressor:
     """LoCo compressor for one flat buffer of ``numel`` elements (padded to whole blocks)."""
 
@@ -42,6 +62,8 @@ class LoCoCompressor:
         self.reset_interval, self.error_feedback = reset_interval, error_feedback
         self.num_blocks = qz.num_blocks(numel, block_size)
         self.padded_numel = self.num_blocks * block_size
+        self.last_stats: Optional[torch.Tensor] = None
+        """fp32 ``[4]`` sums from the last :meth:`compress` (see there)."""
         self.step = 0
         """Number of compress() calls so far (one per optimizer step); drives the reset."""
         dev = device or torch.device("cpu")
@@ -64,14 +86,16 @@ class LoCoCompressor:
             return self._err.float() * self._err_scales.unsqueeze(1)
         return self._err.float()
 
-    def _store_error(self, e: torch.Tensor, finite: torch.Tensor) -> None:
+    def _store_error(self, e: torch.Tensor, finite: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Store ``e`` unless ``finite`` (0-d bool tensor) is False; selected on the device
+        with ``torch.where`` so that there is no host sync."""
         if self.error_bits == 8:
-            scales = qz.block_scales(e, 8)
-            codes = qz.quantize_to_int(e, scales, 8)
-            self._err.copy_(torch.where(finite, codes, self._err))
-            self._err_scales.copy_(torch.where(finite, scales, self._err_scales))
+            scales = qz.block_scales(e, 8, scratch=scratch)
+            codes = qz.round_codes_(e, scales, 8, out=scratch).to(torch.int8)
+            torch.where(finite, codes, self._err, out=self._err)
+            torch.where(finite, scales, self._err_scales, out=self._err_scales)
         else:
-            self._err.copy_(torch.where(finite, e.to(self._err.dtype), self._err))
+            torch.where(finite, e.to(self._err.dtype), self._err, out=self._err)
 
     def error(self) -> torch.Tensor:
         """The current error ``e`` as fp32, ``numel`` elements."""
@@ -85,31 +109,54 @@ class LoCoCompressor:
         return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
 
     # -- the algorithm ---------------------------------------------------------------
-    def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress(self, grad: torch.Tensor, workspace: Optional["Workspace"] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-4 for one gradient ``grad`` (``numel`` elements, any float dtype).
 
-        Returns ``(codes, scales)`` as :func:`quantize_blockwise` does and advances the
-        error state and the step counter.
+        Returns ``(codes, scales)`` exactly as :func:`quantize_blockwise` of ``h = g + e``
+        would and advances the error state and the step counter. ``workspace`` lends
+        two fp32 ``[num_blocks, block_size]`` scratch buffers (shared by all buckets of
+        a run, so no full-size copy is allocated per call). Afterwards
+        :attr:`last_stats` holds fp32 ``[4]`` device sums for the metrics:
+        ``(sum e_new^2, sum (h - D(q))^2, sum h^2, numel)``, all zero when ``h`` is not
+        finite. No host synchronisation happens here.
         """
         if grad.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {grad.numel()}")
         if self.reset_interval and self.step and self.step % self.reset_interval == 0:
             self.reset()
+        ws = workspace or Workspace()
+        shape = (self.num_blocks, self.block_size)
         g = qz._blocks(grad, self.block_size)
-        if self.error_feedback:
-            e = self._error_blocks()
-            h = g + e
+        h = ws.get("h", shape, g.device)
+        work = ws.get("work", shape, g.device)
+        # 1. h = g + e (int8 error * per-block scale is one fused widening multiply).
+        if self._err is None:
+            h.copy_(g)
+        elif self.error_bits == 8:
+            torch.mul(self._err, self._err_scales.unsqueeze(1), out=h).add_(g)
         else:
-            h = g
-        scales = qz.block_scales(h, self.bits)
-        q = qz.quantize_to_int(h, scales, self.bits)
-        if self.error_feedback:
-            residual = h - q.float() * scales.unsqueeze(1)
-            # Out of place: with fp32 storage ``e`` *is* the buffer, which must survive a NaN.
-            new_e = torch.add(e * self.beta, residual, alpha=1.0 - self.beta)
-            self._store_error(new_e, torch.isfinite(h).all())
+            torch.add(g, self._err, out=h)
+        # 2. quantise; a non-finite block has a non-finite scale (amax propagates NaN).
+        scales = qz.block_scales(h, self.bits, scratch=work)
+        finite = torch.isfinite(scales).all()
+        q = qz.round_codes_(h, scales, self.bits, out=work)
+        codes = qz.pack_codes(q.to(torch.int8), self.bits)
+        # 3. residual h - D(q), in place: work becomes the residual.
+        resid = torch.addcmul(h, q, scales.unsqueeze(1), value=-1.0, out=work)
+        stats = [torch.linalg.vector_norm(resid).square(), torch.linalg.vector_norm(h).square()]
+        if self._err is not None:
+            # e_new = beta*e + (1-beta)*(h - D) with e = h - g, computed in place in h.
+            new_e = h.sub_(g).mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
+            stats.insert(0, torch.linalg.vector_norm(new_e).square())
+            self._store_error(new_e, finite, work)
+        else:
+            stats.insert(0, torch.zeros((), device=g.device))
+        stats.append(torch.tensor(float(self.numel), device=g.device))
+        # Keep the NaN of a bad step out of the metrics as well as out of the error.
+        self.last_stats = torch.where(finite, torch.stack(stats), torch.zeros(4, device=g.device))
         self.step += 1
-        return qz.pack_codes(q, self.bits), scales
+        return codes, scales
 
     def reset(self) -> None:
         """``e = 0``."""

@@ -15,19 +15,19 @@ after scaling ``bucket.grad_data`` by ``bucket.gradient_scaling_factor``, and wa
   distributed optimizer reads.
 
 Expert-parallel bucket groups (synchronised over the expert-data-parallel group)
-get their own compressors, exactly like dense ones.
+get their own compressors, exactly like dense ones. ``start_param_sync`` (the
+distributed optimizer's parameter all-gather) is wrapped the same way, for timing only.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
 
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter
-from loco_megatron.loco.compressor import LoCoCompressor
+from loco_megatron.loco.compressor import LoCoCompressor, Workspace
 from loco_megatron.metrics.comm import CommStats
 
 SUPPORTED_MCORE = ((0, 16, 0), (0, 17, 0))
@@ -57,40 +57,42 @@ def _bucket_groups(ddp_model) -> list:
 class _MultiWork:
     """What megatron waits on: every bucket's handle of one bucket group."""
 
-    def __init__(self, works, on_done: Callable[[list], None]):
-        self._works, self._on_done = works, on_done
+    def __init__(self, works, clock, on_done: Callable[[list, object, object], None]):
+        self._works, self._clock, self._on_done = works, clock, on_done
 
     def wait(self):
-        t0 = time.perf_counter()
+        start = self._clock.mark()
         for w in self._works:
             w.wait()
-        self._on_done(self._works, time.perf_counter() - t0)
+        self._on_done(self._works, start, self._clock.mark())
 
 
 class _TimedWork:
-    """Wraps megatron's own coalesced handle to record when its wait returns."""
+    """Wraps megatron's own coalesced handle to mark when its wait returns."""
 
-    def __init__(self, work, launch_t: float, on_done):
-        self._work, self.launch_t, self._on_done = work, launch_t, on_done
+    def __init__(self, work, clock, launch_mark, on_done):
+        self._work, self._clock, self.launch_mark, self._on_done = work, clock, launch_mark, on_done
+        self.decompress_marks = None
 
     def wait(self):
-        t0 = time.perf_counter()
+        start = self._clock.mark()
         self._work.wait()
-        self.done_t = time.perf_counter()
-        self.decompress_s = 0.0
-        self._on_done([self], self.done_t - t0)
+        self.done_mark = self._clock.mark()
+        self._on_done([self], start, self.done_mark)
 
 
 class GradSyncHook:
-    """LoCo (or timing only) in place of megatron-core's per-bucket gradient sync."""
+    """LoCo (or timing only) in place of megatron-core's per-bucket gradient sync, plus
+    timing of the distributed optimizer's parameter all-gather."""
 
     def __init__(self, ddp_models: list, loco: LoCoConfig, stats: CommStats):
         check_megatron_core_version()
-        self.loco, self.stats = loco, stats
+        self.loco, self.stats, self.clock = loco, stats, stats.clock
         self.iteration = 0
         """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}
+        self._workspace = Workspace()  # one scratch for all buckets (they compress in turn)
         for m, model in enumerate(ddp_models):
             ddp_config = model.ddp_config
             if loco.enabled and ddp_config.num_distributed_optimizer_instances > 1:
@@ -101,6 +103,8 @@ class GradSyncHook:
                 if loco.enabled:
                     self._make_compressors(group, keys)
                 group.start_grad_sync = self._make_start_grad_sync(group, keys)
+                if ddp_config.use_distributed_optimizer:
+                    group.start_param_sync = self._make_start_param_sync(group)
 
     def _make_compressors(self, group, keys) -> None:
         comm = self._comm_group(group)
@@ -137,24 +141,44 @@ class GradSyncHook:
 
         return start_grad_sync
 
-    def _record(self, works, wait_s: float, compressed: bool, sent: int, raw: int) -> None:
-        self.stats.add_sync(
-            total_s=sum(w.done_t - w.launch_t for w in works), exposed_s=wait_s,
-            decompress_s=sum(w.decompress_s for w in works),
-            bytes_sent=sent, bytes_uncompressed=raw, compressed=compressed)
+    def _make_start_param_sync(self, group):
+        original = group.start_param_sync
+
+        def start_param_sync(force_sync: bool = False):
+            # Without --overlap-param-gather megatron's all-gather is synchronous, so
+            # launch-to-return is the whole collective (and all of it is exposed).
+            start = self.clock.mark()
+            original(force_sync=force_sync)
+            if group.param_gather_handle is None:
+                self.stats.add_interval("param_gather", start, self.clock.mark())
+            else:
+                group.param_gather_handle = _TimedWork(
+                    group.param_gather_handle, self.clock, start,
+                    lambda works, s, e: self.stats.add_interval("param_gather", start, e))
+
+        return start_param_sync
+
+    def _record(self, works, wait_start, wait_end, compressed: bool, sent: int, raw: int) -> None:
+        self.stats.add_interval("grad_sync_exposed", wait_start, wait_end)
+        for w in works:
+            self.stats.add_interval("grad_sync_total", w.launch_mark, w.done_mark)
+            if w.decompress_marks is not None:
+                self.stats.add_interval("decompress", *w.decompress_marks)
+        self.stats.add_bytes(sent, raw, compressed)
 
     def _timed_original(self, group, original, force_all_reduce):
         raw = sum(b.grad_data.numel() * b.grad_data.element_size() for b in group.buckets)
-        launch_t = time.perf_counter()
+        launch = self.clock.mark()
         original(force_all_reduce=force_all_reduce)
-        if group.grad_reduce_handle is None:  # synchronous: already complete
-            done = time.perf_counter()
-            self.stats.add_sync(total_s=done - launch_t, exposed_s=done - launch_t, decompress_s=0.0,
-                                bytes_sent=raw, bytes_uncompressed=raw, compressed=False)
+        if group.grad_reduce_handle is None:  # synchronous: already complete, all exposed
+            done = self.clock.mark()
+            self.stats.add_interval("grad_sync_total", launch, done)
+            self.stats.add_interval("grad_sync_exposed", launch, done)
+            self.stats.add_bytes(raw, raw, compressed=False)
             return
         group.grad_reduce_handle = _TimedWork(
-            group.grad_reduce_handle, launch_t,
-            lambda works, wait_s: self._record(works, wait_s, False, raw, raw))
+            group.grad_reduce_handle, self.clock, launch,
+            lambda works, s, e: self._record(works, s, e, False, raw, raw))
 
     def _loco_start(self, group, keys):
         assert group.grad_reduce_handle is None, "one grad sync at a time per bucket group"
@@ -167,20 +191,22 @@ class GradSyncHook:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
             compressor = self.compressors[key]
-            t0 = time.perf_counter()
+            start = self.clock.mark()
             work, nbytes = compressed_reduce_scatter(
-                bucket.grad_data, compressor.compress, self._layouts[key], comm, async_op=async_op,
+                bucket.grad_data, lambda flat: compressor.compress(flat, self._workspace),
+                self._layouts[key], comm, async_op=async_op,
                 all_gather=not ddp_config.use_distributed_optimizer,
-                average=ddp_config.average_in_collective)
-            self.stats.add_compress(work.launch_t - t0)
+                average=ddp_config.average_in_collective, clock=self.clock)
+            self.stats.add_interval("compress", start, work.launch_mark)
+            self.stats.add_loco(compressor.last_stats)
             works.append(work)
             sent += nbytes
             raw += bucket.grad_data.numel() * bucket.grad_data.element_size()
 
-        def done(ws, wait_s):
-            self._record(ws, wait_s, True, sent, raw)
+        def done(ws, wait_start, wait_end):
+            self._record(ws, wait_start, wait_end, True, sent, raw)
 
-        multi = _MultiWork(works, done)
+        multi = _MultiWork(works, self.clock, done)
         if async_op:
             group.grad_reduce_handle = multi
         else:

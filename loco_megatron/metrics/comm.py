@@ -1,59 +1,104 @@
 """Per-step accounting of data-parallel gradient communication.
 
-One :class:`CommStats` per run is passed to the gradient-sync hook (which adds to it
-as buckets complete) and read by the trainer once per step. Times are wall-clock on
-CPU (launch to completion of the work handle); exposed time is how long the training
-step blocked in ``wait()``.
+One :class:`CommStats` per run is passed to the gradient-sync hook, which records
+*intervals* (pairs of clock marks) and byte counts as buckets launch and complete;
+the trainer calls :meth:`CommStats.take` once per step.
+
+Clocks: on CPU a mark is ``time.perf_counter()`` (wall-clock at launch and at
+completion of the work handle). On CUDA a mark is an event recorded on the current
+stream, so an interval is what that stream saw: for ``exposed`` (marks around
+``wait()``) exactly the stall of the compute stream; for ``total`` (launch to the
+mark after ``wait()``) an upper bound of the collective's duration. Events are only
+resolved in :meth:`take`, after the optimizer step has synchronised anyway.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time
+from typing import Optional
+
+import torch
+
+KINDS = ("grad_sync_total", "grad_sync_exposed", "compress", "decompress", "param_gather")
 
 
-@dataclasses.dataclass
+class WallClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventClock:
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def clock_for(device: torch.device):
+    """CUDA events on a GPU, wall-clock otherwise."""
+    return CudaEventClock() if torch.device(device).type == "cuda" else WallClock()
+
+
 class CommStats:
-    grad_sync_total_s: float = 0.0
-    """Launch-to-completion time of every gradient collective, summed over buckets."""
-    grad_sync_exposed_s: float = 0.0
-    """Time the step blocked waiting for gradient sync."""
-    compress_s: float = 0.0
-    """LoCo compensate + quantise + pack time."""
-    decompress_s: float = 0.0
-    """LoCo dequantise + sum time."""
-    grad_bytes_sent: int = 0
-    """Payload bytes handed to gradient collectives (codes + scales)."""
-    grad_bytes_uncompressed: int = 0
-    """What the same syncs cost at the gradient buffer's dtype."""
-    grad_bytes_compressed_part: int = 0
-    """Of grad_bytes_uncompressed, the part that was sent compressed."""
+    """Intervals, bytes and LoCo error sums of the current step."""
 
-    def add_sync(self, total_s: float, exposed_s: float, decompress_s: float, bytes_sent: int,
-                 bytes_uncompressed: int, compressed: bool) -> None:
-        self.grad_sync_total_s += total_s
-        self.grad_sync_exposed_s += exposed_s
-        self.decompress_s += decompress_s
-        self.grad_bytes_sent += bytes_sent
-        self.grad_bytes_uncompressed += bytes_uncompressed
+    def __init__(self, clock=None):
+        self.clock = clock or WallClock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._intervals: list[tuple[str, object, object]] = []
+        self.grad_bytes_sent = 0
+        """Payload bytes handed to gradient collectives (codes + scales)."""
+        self.grad_bytes_uncompressed = 0
+        """What the same syncs cost at the gradient buffer's dtype."""
+        self.grad_bytes_compressed_part = 0
+        """Of ``grad_bytes_uncompressed``, the part that was sent compressed."""
+        self._loco_sums: Optional[torch.Tensor] = None
+
+    def add_interval(self, kind: str, start, end) -> None:
+        assert kind in KINDS, kind
+        self._intervals.append((kind, start, end))
+
+    def add_bytes(self, sent: int, uncompressed: int, compressed: bool) -> None:
+        self.grad_bytes_sent += sent
+        self.grad_bytes_uncompressed += uncompressed
         if compressed:
-            self.grad_bytes_compressed_part += bytes_uncompressed
+            self.grad_bytes_compressed_part += uncompressed
 
-    def add_compress(self, seconds: float) -> None:
-        self.compress_s += seconds
+    def add_loco(self, sums: torch.Tensor) -> None:
+        """fp32 ``[4]`` device sums ``(sum e^2, sum (h-D(q))^2, sum h^2, numel)`` of one bucket."""
+        self._loco_sums = sums.clone() if self._loco_sums is None else self._loco_sums + sums
 
-    def take(self) -> dict[str, float]:
-        """This step's figures as ``comm/...`` metrics, then zero the counters."""
+    def take(self) -> tuple[dict[str, float], Optional[torch.Tensor]]:
+        """This step's ``comm/...`` figures and LoCo sums (or None); then start afresh."""
+        secs = dict.fromkeys(KINDS, 0.0)
+        for kind, start, end in self._intervals:
+            secs[kind] += self.clock.seconds(start, end)
         raw = self.grad_bytes_uncompressed
-        out = {
-            "comm/grad_sync_total_s": self.grad_sync_total_s,
-            "comm/grad_sync_exposed_s": self.grad_sync_exposed_s,
-            "comm/compress_s": self.compress_s,
-            "comm/decompress_s": self.decompress_s,
+        out = {f"comm/{k}_s": v for k, v in secs.items()}
+        out.update({
             "comm/grad_bytes_sent": float(self.grad_bytes_sent),
             "comm/grad_bytes_uncompressed": float(raw),
             "comm/compression_ratio": self.grad_bytes_sent / raw if raw else 1.0,
             "comm/compressed_fraction": self.grad_bytes_compressed_part / raw if raw else 0.0,
-        }
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)
-        return out
+        })
+        sums = self._loco_sums
+        self._reset()
+        return out, sums
+
+
+def loco_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """``loco/error_rms`` and ``loco/quant_rel_error`` from sums added over buckets, steps
+    and ranks: RMS of the stored error over all elements, and ``||h - D(q)|| / ||h||``
+    (the transmitted gradient's relative error against the compensated one)."""
+    err_sq, resid_sq, h_sq, numel = (float(v) for v in sums.tolist())
+    return {"loco/error_rms": (err_sq / numel) ** 0.5 if numel else 0.0,
+            "loco/quant_rel_error": (resid_sq / h_sq) ** 0.5 if h_sq else 0.0}

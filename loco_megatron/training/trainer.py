@@ -16,7 +16,7 @@ from loco_megatron.config import Config
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
 from loco_megatron.loco.megatron_hook import GradSyncHook
-from loco_megatron.metrics.comm import CommStats
+from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics
 from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
@@ -70,8 +70,11 @@ def _reduce_for_logging(value: torch.Tensor, layout: ParallelLayout) -> float:
     return value.item()
 
 
-def _comm_across_ranks(comm: dict, steps: int, device) -> dict:
-    """Per-step means of this rank's comm figures -> mean and max over all ranks."""
+def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
+    """Per-step means of this rank's comm figures -> mean and max over all ranks; LoCo's
+    error sums -> one RMS and one relative error over every rank, bucket and step."""
+    if not comm:
+        return {}
     keys = sorted(comm)
     local = torch.tensor([comm[k] / steps for k in keys], dtype=torch.float64, device=device)
     mean, top = local.clone(), local.clone()
@@ -82,6 +85,14 @@ def _comm_across_ranks(comm: dict, steps: int, device) -> dict:
     out.update({f"{k}_max": top[i].item() for i, k in enumerate(keys)})
     raw = out["comm/grad_bytes_uncompressed"]
     out["comm/compression_ratio"] = out["comm/grad_bytes_sent"] / raw if raw else 1.0
+    del out["comm/compression_ratio_max"]
+    # Every rank joins the reduction (zeros where nothing was compressed this window).
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    if loco_sums is not None:
+        sums += loco_sums.to(device=device, dtype=torch.float64)
+    dist.all_reduce(sums)
+    if sums[3] > 0:
+        out.update(loco_metrics(sums))
     return out
 
 
@@ -94,7 +105,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     chunks = [model]
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
-    comm_stats = CommStats()
+    comm_stats = CommStats(clock_for(device))
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     _configure_schedules(chunks, optimizer)
 
@@ -113,8 +124,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     resume = ckpt.find_resume_dir()
     if resume is not None:
         ckpt.load(resume, stateful)
-    logger = MetricsLogger(config.logging, config.to_flat_dict(), layout.is_logging_rank,
-                           env.wandb_offline)
+    run_config = {**config.to_flat_dict(), "world_size": layout.world_size,
+                  "data_parallel_size": layout.dp_size, "device": device.type}
+    logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline)
     if resume is not None and layout.is_logging_rank:
         print(f"resumed from {resume} at iteration {state.iteration}", flush=True)
 
@@ -122,7 +134,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     tokens_per_step = d.global_batch_size * config.model.seq_length
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
-              "grad_norm": 0.0, "skipped": 0, "comm": {}}
+              "grad_norm": 0.0, "skipped": 0, "comm": {}, "loco": None}
     try:
         while state.iteration < t.train_iters:
             grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
@@ -133,7 +145,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             state.iteration += 1
             state.tokens_seen += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
-            _accumulate(window, result, comm_stats.take())
+            _accumulate(window, result, *comm_stats.take())
 
             if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
                 last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
@@ -152,7 +164,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     return last
 
 
-def _accumulate(window: dict, result, comm: dict) -> None:
+def _accumulate(window: dict, result, comm: dict, loco_sums) -> None:
     if result.loss is not None and not result.skipped:
         window["loss"] += result.loss
     window["steps"] += 1
@@ -161,6 +173,8 @@ def _accumulate(window: dict, result, comm: dict) -> None:
         window["grad_norm"] = result.grad_norm
     for k, v in comm.items():
         window["comm"][k] = window["comm"].get(k, 0.0) + v
+    if loco_sums is not None:  # stays on the device until the log interval
+        window["loco"] = loco_sums if window["loco"] is None else window["loco"] + loco_sums
 
 
 def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
@@ -180,9 +194,9 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
         "mem/peak_bytes": peak_memory_bytes(device),
     }
     state.skipped_iters += window["skipped"]
-    metrics.update(_comm_across_ranks(window["comm"], steps, device))
+    metrics.update(_comm_across_ranks(window["comm"], window["loco"], steps, device))
     logger.log(state.iteration, metrics, total_iters)
-    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={})
+    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None)
     return metrics
 
 
