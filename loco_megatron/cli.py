@@ -36,6 +36,8 @@ class LaunchEnv:
     local_world_size: int = 1
     cache_home: str = str(pathlib.Path.home() / ".cache")
     wandb_offline: bool = True
+    triton_interpret: bool = False
+    """TRITON_INTERPRET=1: Triton kernels run in its CPU interpreter (tests)."""
     init_method: str = "env://"
     """torch.distributed rendezvous: torchrun's env://, or a private TCP port for a
     single process started without torchrun."""
@@ -63,6 +65,7 @@ class LaunchEnv:
             local_world_size=as_int("LOCAL_WORLD_SIZE", 1),
             cache_home=environ.get("XDG_CACHE_HOME", str(pathlib.Path.home() / ".cache")),
             wandb_offline=offline,
+            triton_interpret=environ.get("TRITON_INTERPRET", "") == "1",
         )
 
 

@@ -108,6 +108,9 @@ class ParallelConfig:
     """Shard optimizer state and main params across data-parallel ranks (ZeRO-1)."""
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduce-scatter as soon as its grads are ready."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated params bucket by bucket during
+    the next forward pass instead of synchronously after the optimizer step."""
     grad_reduce_in_bf16: bool = False
     """Keep gradient buffers and their reduce-scatter in bf16."""
     ddp_bucket_size: Optional[int] = None
@@ -119,6 +122,8 @@ class ParallelConfig:
             _require(getattr(self, name) >= 1, name, "must be >= 1")
         if self.ddp_bucket_size is not None:
             _require(self.ddp_bucket_size > 0, "ddp_bucket_size", "must be positive")
+        if self.overlap_param_gather:
+            _require(self.use_distributed_optimizer, "overlap_param_gather", "needs the distributed optimizer")
 
 
 @dataclasses.dataclass
@@ -231,8 +236,13 @@ class LoCoConfig:
     """Sync the first N iterations at full precision (megatron-core's reduce-scatter)."""
     loco_no_error_feedback: bool = False
     """Ablation: quantise the raw gradient with no compensation."""
+    loco_kernels: str = "auto"
+    """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
+    installed and the shape is supported, else torch), torch (the reference) or triton."""
 
     def __post_init__(self):
+        _require(self.loco_kernels in ("auto", "torch", "triton"), "loco_kernels",
+                 f"{self.loco_kernels!r} is not one of auto, torch, triton")
         _require(self.loco_bits in (0, 2, 4, 8), "loco_bits", f"{self.loco_bits} is not one of 0, 2, 4, 8")
         _require(0.0 <= self.loco_beta < 1.0, "loco_beta", f"{self.loco_beta} is not in [0, 1)")
         _require(self.loco_block_size > 0 and self.loco_block_size % 8 == 0, "loco_block_size",

@@ -70,6 +70,7 @@ def build_model(config: Config, layout: ParallelLayout, vocab_size: int, device:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not p.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=p.ddp_bucket_size,
     )

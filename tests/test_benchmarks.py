@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -15,3 +17,51 @@ def test_loco_bucket_smoke():
     row = next(l for l in proc.stdout.splitlines() if l.startswith("LoCo 4-bit"))
     assert float(row.split()[-1]) <= 0.27
     assert "compress+decompress" in proc.stdout
+
+
+def _run(args, timeout=600, **kw):
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc
+
+
+def test_kernels_smoke():
+    """Guards against the kernel benchmark breaking: every size gets a row of positive
+    throughputs and ratios."""
+    out = _run(["benchmarks/kernels.py", "--smoke"]).stdout.splitlines()
+    rows = [line.split() for line in out if line.strip() and line.split()[0].replace(",", "").isdigit()]
+    assert [int(r[0].replace(",", "")) for r in rows] == [65536, 262144]
+    assert all(float(x) > 0 for r in rows for x in r[1:])
+
+
+def test_quality_smoke(tmp_path, cache_dir):
+    """Guards against the loss-parity study breaking: it trains both variants and writes
+    the table (with the reference's zero gap) and the plot."""
+    _run(["benchmarks/quality.py", "--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir])
+    table = (tmp_path / "quality.md").read_text()
+    assert "| full precision (fp32 reduce-scatter) |" in table and "+0.00%" in table
+    assert "| LoCo 4-bit |" in table
+    assert (tmp_path / "loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_speed_smoke(tmp_path, cache_dir):
+    """Guards against the speed study breaking: on a 2-node simulated cluster with a
+    shaped link it trains bf16 and LoCo 4-bit and writes the table and plots, and LoCo
+    sends about a quarter of bf16's bytes."""
+    _require_netns()
+    _run(["benchmarks/speed.py", "--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir])
+    lines = (tmp_path / "speed.md").read_text().splitlines()
+    bf16 = next(l for l in lines if l.startswith("| bf16 reduce-scatter"))
+    loco = next(l for l in lines if l.startswith("| LoCo 4-bit"))
+    sent = [float(row.split("|")[7].replace(",", "")) for row in (bf16, loco)]
+    assert 0.2 < sent[1] / sent[0] < 0.3
+    assert (tmp_path / "plots" / "2x1_1gbit" / "step_time.png").exists()
+
+
+def _require_netns():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from simcluster import available
+
+    reason = available()
+    if reason:
+        pytest.skip(f"simulated cluster unavailable: {reason}")

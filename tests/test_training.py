@@ -66,6 +66,30 @@ def test_resume_with_loco_is_bit_exact(cache_dir, tmp_path):
     assert all(a[it] == b[it] for it in b), (a, b)
 
 
+def test_overlap_param_gather_matches_and_resumes(cache_dir, tmp_path):
+    """Guards against stale weights with --overlap-param-gather: the deferred all-gather
+    must give the same losses as the synchronous one, and a checkpoint written while a
+    gather is pending must hold the updated weights (resume continues identically)."""
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--bf16"]
+    _, sync = torchrun(2, args + ["--save", str(tmp_path / "ck_sync"), "--save-interval", "3"], cache_dir,
+                       tmp_path, name="sync")
+    ck = str(tmp_path / "ck")
+    over = args + ["--overlap-param-gather"]
+    _, first = torchrun(2, over + ["--train-iters", "3", "--save", ck], cache_dir, tmp_path, name="first")
+    _, resumed = torchrun(2, over + ["--load", ck], cache_dir, tmp_path, name="resumed")
+    a, b = train_losses(sync), {**train_losses(first), **train_losses(resumed)}
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert all(a[it] == b[it] for it in a), (a, b)
+    assert [m for m in resumed if "comm/param_gather_s" in m][-1]["comm/param_gather_s"] > 0
+    for rank in (0, 1):
+        name = f"iter_0000003/rank_0000{rank}.pt"
+        want = torch.load(tmp_path / "ck_sync" / name, weights_only=False)["model"][0]
+        got = torch.load(tmp_path / "ck" / name, weights_only=False)["model"][0]
+        for key, t in want.items():
+            if torch.is_tensor(t) and t.is_floating_point():
+                assert torch.equal(t, got[key]), (rank, key)
+
+
 def test_nan_on_one_rank_skips_step_and_keeps_error(cache_dir, tmp_path):
     """Guards against a NaN gradient updating the weights or entering LoCo's error."""
     ck = tmp_path / "ck"

@@ -69,6 +69,14 @@ def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return acc
 
 
+def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``out = scale * decompress_sum(recv)``, cast to ``out``'s dtype (the reference path)."""
+    total = decompress_sum(recv, layout)
+    if scale != 1.0:
+        total.mul_(scale)
+    out.copy_(total)
+
+
 class CompressedReduceScatterWork:
     """Handle of an in-flight compressed reduce-scatter; ``wait()`` completes it.
 
@@ -79,8 +87,10 @@ class CompressedReduceScatterWork:
     """
 
     def __init__(self, work, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
-                 group, gather_into: Optional[torch.Tensor], scale: float, clock, launch_mark):
+                 group, gather_into: Optional[torch.Tensor], scale: float, clock, launch_mark,
+                 decompress: Callable = decompress_into):
         self._work, self._recv, self._layout, self._out = work, recv, layout, out
+        self._decompress = decompress
         self._group, self._gather_into, self._scale = group, gather_into, scale
         self.clock, self.launch_mark = clock, launch_mark
         self.done_mark = None
@@ -92,10 +102,7 @@ class CompressedReduceScatterWork:
         if self._work is not None:
             self._work.wait()
         start = self.clock.mark()
-        total = decompress_sum(self._recv, self._layout)
-        if self._scale != 1.0:
-            total.mul_(self._scale)
-        self._out.copy_(total)
+        self._decompress(self._recv, self._layout, self._out, self._scale)
         self.decompress_marks = (start, self.clock.mark())
         if self._gather_into is not None:
             # Without the distributed optimizer every rank needs the whole reduced
@@ -114,6 +121,7 @@ def compressed_reduce_scatter(
     all_gather: bool = False,
     average: bool = False,
     clock=None,
+    decompress: Callable = decompress_into,
 ) -> tuple[CompressedReduceScatterWork, int]:
     """Launch the compressed reduce-scatter of flat ``buffer`` over ``group``.
 
@@ -134,7 +142,7 @@ def compressed_reduce_scatter(
     out = buffer.view(layout.world, layout.shard)[rank]
     handle = CompressedReduceScatterWork(
         work, recv, layout, out, group, buffer if all_gather else None,
-        1.0 / layout.world if average else 1.0, clock, launch)
+        1.0 / layout.world if average else 1.0, clock, launch, decompress)
     if not async_op:
         handle.wait()
     return handle, send.numel()

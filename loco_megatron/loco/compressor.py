@@ -16,11 +16,34 @@ scales still carry the overflow to the receiver.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import torch
 
 from loco_megatron.loco import quantize as qz
+
+
+def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
+                    error_bits: int, error_feedback: bool) -> str:
+    """``"torch"`` or ``"triton"`` for ``--loco-kernels choice``; ValueError (one line,
+    naming the reason) when ``triton`` is asked for and cannot run."""
+    if choice == "torch":
+        return "torch"
+    why = None
+    if importlib.util.find_spec("triton") is None:
+        why = "triton is not installed (pip install -r requirements-triton.txt)"
+    elif device_type != "cuda" and not interpret:
+        why = "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    elif block_size & (block_size - 1) or block_size < 8 * (8 // bits):
+        why = f"needs a power-of-two --loco-block-size, got {block_size}"
+    elif error_feedback and error_bits != 8:
+        why = f"supports the int8 error buffer only (--loco-error-bits 8), got {error_bits}"
+    if choice == "auto":
+        return "triton" if why is None and device_type == "cuda" else "torch"
+    if why is not None:
+        raise ValueError(f"--loco-kernels triton {why}")
+    return "triton"
 
 
 class Workspace:
@@ -34,11 +57,11 @@ class Workspace:
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple, device) -> torch.Tensor:
+    def get(self, name: str, shape: tuple, device, dtype=torch.float32) -> torch.Tensor:
         n = shape[0] * shape[1]
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < n or buf.device != torch.device(device):
-            buf = torch.empty(n, dtype=torch.float32, device=device)
+        if buf is None or buf.numel() < n or buf.device != torch.device(device) or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:n].view(shape)
 
@@ -48,7 +71,7 @@ class LoCoCompressor:
 
     def __init__(self, numel: int, bits: int = 4, beta: float = 0.8, block_size: int = 256,
                  error_bits: int = 8, reset_interval: int = 1024, error_feedback: bool = True,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, kernels: str = "torch"):
         if bits not in qz.SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {qz.SUPPORTED_BITS}, got {bits}")
         if not 0.0 <= beta < 1.0:
@@ -57,6 +80,11 @@ class LoCoCompressor:
             raise ValueError(f"error_bits must be 8, 16 or 32, got {error_bits}")
         if block_size <= 0 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        if kernels == "triton" and error_feedback and error_bits != 8:
+            raise ValueError("the Triton kernels store the error in int8 only (error_bits=8)")
+        self.kernels = kernels
         self.numel, self.bits, self.beta = numel, bits, beta
         self.block_size, self.error_bits = block_size, error_bits
         self.reset_interval, self.error_feedback = reset_interval, error_feedback
@@ -126,6 +154,8 @@ class LoCoCompressor:
         if self.reset_interval and self.step and self.step % self.reset_interval == 0:
             self.reset()
         ws = workspace or Workspace()
+        if self.kernels == "triton":
+            return self._compress_triton(grad, ws)
         shape = (self.num_blocks, self.block_size)
         g = qz._blocks(grad, self.block_size)
         h = ws.get("h", shape, g.device)
@@ -155,6 +185,26 @@ class LoCoCompressor:
         stats.append(torch.tensor(float(self.numel), device=g.device))
         # Keep the NaN of a bad step out of the metrics as well as out of the error.
         self.last_stats = torch.where(finite, torch.stack(stats), torch.zeros(4, device=g.device))
+        self.step += 1
+        return codes, scales
+
+    def _compress_triton(self, grad: torch.Tensor, ws: "Workspace") -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step as :meth:`compress` in one fused kernel (see :mod:`.triton_kernels`)."""
+        from loco_megatron.loco import triton_kernels
+
+        shape, dev = (self.num_blocks, self.block_size), grad.device
+        ef = self._err is not None
+        new_err = ws.get("new_err", shape, dev, torch.int8) if ef else None
+        new_scales = ws.get("new_err_scales", (self.num_blocks, 1), dev).view(-1) if ef else None
+        stats = ws.get("stats", (self.num_blocks, 3), dev)
+        codes, scales = triton_kernels.compress(grad.reshape(-1), self._err, self._err_scales, self.beta,
+                                                self.bits, self.block_size, new_err, new_scales, stats)
+        finite = torch.isfinite(scales).all()
+        if ef:  # the NaN/Inf rule needs the whole buffer's verdict: select on the device
+            torch.where(finite, new_err, self._err, out=self._err)
+            torch.where(finite, new_scales, self._err_scales, out=self._err_scales)
+        sums = torch.cat([stats.sum(dim=0), torch.tensor([float(self.numel)], device=dev)])
+        self.last_stats = torch.where(finite, sums, torch.zeros(4, device=dev))
         self.step += 1
         return codes, scales
 

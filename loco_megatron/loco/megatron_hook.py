@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter
+from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor, Workspace
 from loco_megatron.metrics.comm import CommStats
 
@@ -93,6 +93,13 @@ class GradSyncHook:
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}
         self._workspace = Workspace()  # one scratch for all buckets (they compress in turn)
+        # "auto" is resolved by the trainer (it knows the device); torch when used directly.
+        self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
+        self._decompress = decompress_into
+        if self._kernels == "triton":
+            from loco_megatron.loco import triton_kernels
+
+            self._decompress = triton_kernels.decompress_sum
         for m, model in enumerate(ddp_models):
             ddp_config = model.ddp_config
             if loco.enabled and ddp_config.num_distributed_optimizer_instances > 1:
@@ -118,7 +125,7 @@ class GradSyncHook:
                 block_size=self.loco.loco_block_size, error_bits=self.loco.loco_error_bits,
                 reset_interval=self.loco.loco_reset_interval,
                 error_feedback=not self.loco.loco_no_error_feedback,
-                device=bucket.grad_data.device)
+                device=bucket.grad_data.device, kernels=self._kernels)
 
     @staticmethod
     def _comm_group(group):
@@ -196,7 +203,7 @@ class GradSyncHook:
                 bucket.grad_data, lambda flat: compressor.compress(flat, self._workspace),
                 self._layouts[key], comm, async_op=async_op,
                 all_gather=not ddp_config.use_distributed_optimizer,
-                average=ddp_config.average_in_collective, clock=self.clock)
+                average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress)
             self.stats.add_interval("compress", start, work.launch_mark)
             self.stats.add_loco(compressor.last_stats)
             works.append(work)

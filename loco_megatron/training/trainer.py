@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import time
@@ -12,9 +13,10 @@ import torch.distributed as dist
 
 from loco_megatron.checkpoint import Checkpointer
 from loco_megatron.cli import LaunchEnv
-from loco_megatron.config import Config
+from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
+from loco_megatron.loco.compressor import resolve_kernels
 from loco_megatron.loco.megatron_hook import GradSyncHook
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics
 from loco_megatron.metrics.logger import MetricsLogger
@@ -38,12 +40,25 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     Checkpointer(None, config.checkpoint.load, env.rank, {}).find_resume_dir()
 
     platform = detect_platform(env.local_rank)
+    config = _resolve_loco_kernels(config, platform, env)
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method)
         try:
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory)
         finally:
             shutdown_distributed()
+
+
+def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) -> Config:
+    """Turn ``--loco-kernels auto`` into torch or triton for this device (one-line error
+    when triton is demanded and cannot run)."""
+    lc = config.loco
+    try:
+        kernels = resolve_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
+                                  lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels))
 
 
 def _configure_schedules(model_chunks: list, optimizer) -> None:
@@ -155,13 +170,22 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                 last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
-                ckpt.save(state.iteration, stateful)
+                _save(ckpt, state, stateful, chunks, config)
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
-            ckpt.save(state.iteration, stateful)
+            _save(ckpt, state, stateful, chunks, config)
     finally:
         logger.close()
     return last
+
+
+def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config) -> None:
+    if config.parallel.overlap_param_gather:
+        # The all-gather of the updated params is deferred to the next forward; finish it
+        # now so the saved model weights are the ones the optimizer just produced.
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
+    ckpt.save(state.iteration, stateful)
 
 
 def _accumulate(window: dict, result, comm: dict, loco_sums) -> None:

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Loss parity of LoCo vs full-precision gradient sync, on the built-in corpus, on CPU.
+
+Every variant trains the same model on the same data with the same token budget and
+the same seeds, on 2 local ranks (gloo); only the gradient sync differs:
+
+    fp32          megatron's fp32 reduce-scatter (the reference)
+    loco4, loco2  LoCo (moving-average error feedback, beta 0.8)
+    ef4, ef2      classic error feedback (--loco-beta 0)
+    noef4, noef2  plain low-bit quantisation (--loco-no-error-feedback)
+
+Writes ``quality.md`` (final and best eval loss per variant, mean and spread over
+seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --out.
+
+    python benchmarks/quality.py --out results/quality --seeds 1234,1235
+    python benchmarks/quality.py --smoke --out /tmp/q    # seconds-scale check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+import compare_runs  # noqa: E402
+
+VARIANTS = {
+    "fp32": ("full precision (fp32 reduce-scatter)", ["--loco-bits", "0"]),
+    "loco4": ("LoCo 4-bit", ["--loco-bits", "4"]),
+    "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
+    "ef4": ("error feedback 4-bit (beta 0)", ["--loco-bits", "4", "--loco-beta", "0"]),
+    "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0"]),
+    "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--loco-no-error-feedback"]),
+    "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback"]),
+}
+
+
+def run(out: pathlib.Path, name: str, args: list[str], timeout: float) -> compare_runs.Run:
+    metrics = out / "runs" / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "pretrain_gpt.py"), *args, "--metrics-jsonl", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    log = out / "logs" / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"error: {name} failed with exit code {proc.returncode} (log: {log})")
+    return compare_runs.load_run(str(metrics))
+
+
+def _spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.4f}"
+    return f"{mean:.4f} ± {statistics.stdev(values):.4f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=200, help="training steps (same token budget for all)")
+    ap.add_argument("--seeds", default="1234,1235")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, fp32 vs LoCo 4-bit, one seed")
+    args = ap.parse_args()
+    model = ["--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4", "--log-interval", "10"]
+    if args.smoke:
+        args.iters, args.seeds, args.variants = 4, "1234", "fp32,loco4"
+        model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
+                 "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1"]
+    if args.data_cache_path:
+        model += ["--data-cache-path", args.data_cache_path]
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            sys.exit(f"error: --variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        sys.exit(f"error: --seeds: '{args.seeds}' is not a comma-separated list of integers")
+    out = pathlib.Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, list[compare_runs.Run]] = {v: [] for v in variants}
+    t0 = time.time()
+    for seed in seeds:
+        for v in variants:
+            name = f"{v}_seed{seed}"
+            print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
+            results[v].append(run(out, name, [*model, *VARIANTS[v][1], "--train-iters", str(args.iters),
+                                              "--seed", str(seed)], args.timeout))
+
+    def evals(r):
+        return [e["eval/lm_loss"] for e in r.evals]
+
+    ref = statistics.fmean(evals(r)[-1] for r in results[variants[0]])
+    lines = [f"# Loss parity: {args.iters} steps, seeds {', '.join(map(str, seeds))}, 2 ranks, "
+             f"{results[variants[0]][0].train[-1]['train/tokens_seen']:,} tokens per run\n",
+             f"| variant | final eval loss | best eval loss | gap to {variants[0]} (final) |", "|---|---|---|---|"]
+    for v in variants:
+        final = [evals(r)[-1] for r in results[v]]
+        best = [min(evals(r)) for r in results[v]]
+        gap = (statistics.fmean(final) - ref) / ref * 100
+        lines.append(f"| {VARIANTS[v][0]} | {_spread(final)} | {_spread(best)} | {gap:+.2f}% |")
+    md = "\n".join(lines) + "\n"
+    (out / "quality.md").write_text(md)
+    print(md)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in variants:
+        runs = results[v]
+        tokens = {e["iteration"]: t["train/tokens_seen"] for t in runs[0].train for e in runs[0].evals
+                  if t["iteration"] == e["iteration"]}
+        its = [e["iteration"] for e in runs[0].evals if e["iteration"] in tokens]
+        mean = [statistics.fmean(next(e["eval/lm_loss"] for e in r.evals if e["iteration"] == it) for r in runs)
+                for it in its]
+        ax.plot([tokens[it] for it in its], mean, "o-", label=VARIANTS[v][0])
+    ax.set(xlabel="tokens", ylabel=f"eval LM loss (mean of {len(seeds)} seeds)", title="Loss vs tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_vs_tokens.png", dpi=110)
+    print(out / "quality.md")
+    print(out / "loss_vs_tokens.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Step time, communication time and bytes of LoCo vs Megatron-Core's own gradient sync,
+on a simulated bandwidth-limited cluster (see ``benchmarks/simcluster.py``; needs root).
+
+For each topology (``NODESxRANKS``) and inter-node link it trains the same GPT for
+``--iters`` steps with each gradient sync and writes, under ``--out``:
+
+* ``speed.md``: per topology and link, median step time, tokens/s, gradient-sync time
+  total and exposed per step, bytes sent per rank per step, and step / comm time as a
+  ratio to the bf16 reduce-scatter;
+* ``runs/*.jsonl``: every run's metrics; ``plots/<topology>_<link>/``: the
+  ``tools/compare_runs.py`` table and plots of that group.
+
+    sudo python benchmarks/speed.py --out results/speed            # the full study
+    sudo python benchmarks/speed.py --smoke --out /tmp/speed-smoke # seconds-scale check
+
+All variants train in bf16 with fp32 main weights (``--bf16``); "fp32 reduce-scatter"
+is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
+``--grad-reduce-in-bf16``, LoCo compresses the fp32 buffer. A 1-node topology has no
+inter-node link, so it runs once, unshaped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+
+from simcluster import SimCluster, SimClusterError, available  # noqa: E402
+
+import compare_runs  # noqa: E402
+
+VARIANTS = {
+    "fp32": ("fp32 reduce-scatter", ["--loco-bits", "0"]),
+    "bf16": ("bf16 reduce-scatter", ["--loco-bits", "0", "--grad-reduce-in-bf16"]),
+    "loco8": ("LoCo 8-bit", ["--loco-bits", "8"]),
+    "loco4": ("LoCo 4-bit", ["--loco-bits", "4"]),
+    "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
+}
+
+# About 15M parameters: big enough that full-precision gradient sync dominates a step
+# on a 1 Gbit/s link, small enough for a 2-core CPU.
+MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
+         "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--lr", "3e-4",
+         "--lr-warmup-iters", "2", "--eval-interval", "0", "--ddp-bucket-size", "4000000", "--overlap-param-gather"]
+SMOKE_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--lr-warmup-iters", "1",
+               "--eval-interval", "0", "--ddp-bucket-size", "40000"]
+
+
+def _topology(spec: str) -> tuple[int, int]:
+    try:
+        nodes, ranks = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"error: --topologies: '{spec}' is not NODESxRANKS (e.g. 2x1)")
+    if nodes < 1 or ranks < 1:
+        raise SystemExit(f"error: --topologies: '{spec}' needs at least 1 node and 1 rank")
+    return nodes, ranks
+
+
+def run_one(out: pathlib.Path, name: str, nodes: int, ranks: int, link: str, delay: str | None,
+            args: list[str], timeout: float) -> pathlib.Path:
+    """Train once on a fresh simulated cluster; returns the metrics file."""
+    metrics = out / "runs" / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    logs = out / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    rate = None if link == "none" else link
+    with SimCluster(nodes, rate=rate, delay=delay if rate else None) as cluster:
+        cluster.run_torchrun(["pretrain_gpt.py", *args, "--metrics-jsonl", str(metrics)], ranks, timeout,
+                             env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, log_dir=logs)
+    return metrics
+
+
+def table(groups: dict) -> str:
+    """One markdown table per (topology, link) group."""
+    out = []
+    for (topo, link), rows in groups.items():
+        base = next((r for r in rows if r["key"] == "bf16"), rows[0])
+        out.append(f"\n### {topo} ({'unshaped loopback' if link == 'none' else 'inter-node link ' + link})\n")
+        out.append("| gradient sync | median step (s) | tokens/s | comm total / step (ms) | comm exposed / step (ms) "
+                   "| compress / decompress (ms) | bytes sent / rank / step | step vs bf16 | comm total vs bf16 "
+                   "| speedup vs bf16 |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            comm_ratio = r["comm_total_s"] / base["comm_total_s"] if base["comm_total_s"] else float("nan")
+            out.append(
+                f"| {r['label']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['comm_total_s'] * 1e3:.1f} "
+                f"| {r['comm_exposed_s'] * 1e3:.1f} | {r['compress_s'] * 1e3:.1f} / {r['decompress_s'] * 1e3:.1f} "
+                f"| {r['bytes_per_step']:,.0f} | {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
+                f"| {base['step_s'] / r['step_s']:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="results folder")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--links", default="none,1gbit", help="comma-separated tc rates, 'none' = unshaped")
+    ap.add_argument("--delay", default=None, help="netem delay on shaped links, e.g. 1ms (needs sch_netem)")
+    ap.add_argument("--topologies", default="1x2,2x1", help="comma-separated NODESxRANKS")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, 2 variants, 2x1 at 1gbit")
+    args = ap.parse_args()
+    if args.smoke:
+        args.iters, args.links, args.topologies, args.variants = 4, "1gbit", "2x1", "bf16,loco4"
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"error: --variants: unknown {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    topologies = [_topology(t) for t in args.topologies.split(",") if t]
+    reason = available()
+    if reason:
+        sys.exit(f"error: the simulated cluster {reason}")
+    out = pathlib.Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    model = SMOKE_MODEL if args.smoke else MODEL
+    if args.data_cache_path:
+        model = [*model, "--data-cache-path", args.data_cache_path]
+    log_interval = 1 if args.smoke else 5
+    groups: dict = {}
+    t_start = time.time()
+    for nodes, ranks in topologies:
+        links = ["none"] if nodes == 1 else [x for x in args.links.split(",") if x]
+        for link in links:
+            topo = f"{nodes}x{ranks}"
+            rows, files = [], []
+            for v in variants:
+                label, flags = VARIANTS[v]
+                name = f"{topo}_{link}_{v}"
+                run_args = [*model, *flags, "--train-iters", str(args.iters), "--log-interval", str(log_interval)]
+                print(f"[{time.time() - t_start:6.0f}s] {name}", flush=True)
+                try:
+                    path = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
+                except SimClusterError as e:
+                    sys.exit(f"error: {name}: {e} (logs in {out / 'logs' / name})")
+                run = compare_runs.load_run(str(path))
+                run.label = label
+                rows.append({"key": v, **compare_runs.summarize(run)})
+                files.append(str(path))
+            groups[(topo, link)] = rows
+            compare_runs.compare(files, str(out / "plots" / f"{topo}_{link}"), [r["label"] for r in rows])
+    md = table(groups)
+    header = (f"# Speed: {args.iters} steps per run, variants {', '.join(variants)}; "
+              f"netem delay on shaped links: {args.delay or 'none'}\n")
+    (out / "speed.md").write_text(header + md)
+    print(header + md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Fused Triton kernels for LoCo's compress and decompress-and-sum (GPU; CPU under
+``TRITON_INTERPRET=1`` for tests).
+
+They compute exactly what the pure-torch reference (:mod:`.quantize`,
+:class:`.LoCoCompressor`, :func:`.collectives.decompress_sum`) computes, in one pass
+over memory per bucket:
+
+* :func:`compress`: reads ``g`` (fp32/bf16) and the int8 error with its block scales;
+  writes packed codes, fp32 block scales, the updated int8 error and its scales (into
+  scratch: the NaN/Inf rule needs the whole buffer's verdict before the error may
+  change, so the caller selects new-or-old on the device), and per-block sums for the
+  metrics. Codes and scales are bit-identical to the reference: the same fp32
+  operations in the same order, IEEE division (``div_rn``), round-half-even.
+* :func:`decompress_sum`: reads the ``W`` received rows (codes + scales) of one shard
+  and writes ``scale * sum_r D(codes_r, scales_r)``, summed in fp32 in rank order, into
+  the shard (cast to its dtype) - bit-identical to the reference.
+
+The tile of one program is ``[ROWS, K, B/K]``: ``ROWS`` quantisation blocks of ``B``
+elements, each split into the ``K = 8/bits`` planes that share a byte (the planar
+packing of :mod:`.quantize`), so packing is a shift-and-sum over the middle axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds fp32 |x| < 2**22 half to even
+
+
+@triton.jit
+def _round_half_even(x):
+    # IEEE addition rounds to nearest even; |x| <= qmax here, far below 2**22.
+    return (x + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_absmax(x):
+    """max |x| over a block's planes, NaN-propagating like torch.amax (tl.max is not: a
+    NaN must give a NaN scale so the overflow stays visible)."""
+    return tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+
+
+@triton.jit
+def _codes(h, s, QMAX: tl.constexpr):
+    """clamp(round(h / s)) with s == 0 -> code 0 and NaN -> code 0 (as the reference)."""
+    d = tl.where(s > 0, s, float("inf"))
+    q = _round_half_even(tl.math.div_rn(h, d[:, None, None]))
+    q = tl.where(q == q, q, 0.0)  # NaN (from a non-finite block) -> 0
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX)
+
+
+@triton.jit
+def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_ptr, new_err_s_ptr,
+                     stats_ptr, numel, num_blocks, beta,
+                     BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, HAS_ERR: tl.constexpr):
+    K: tl.constexpr = 8 // BITS
+    BK: tl.constexpr = B // K
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_blocks
+    plane = tl.arange(0, K)
+    col = tl.arange(0, BK)
+    offs = rows[:, None, None] * B + plane[None, :, None] * BK + col[None, None, :]
+    in_buf = offs < numel  # the last block is zero-padded, as in the reference
+    g = tl.load(g_ptr + offs, mask=in_buf, other=0.0).to(tl.float32)
+    if HAS_ERR:
+        ok3 = row_ok[:, None, None] & (offs >= 0)
+        e8 = tl.load(err_ptr + offs, mask=ok3, other=0).to(tl.float32)
+        es = tl.load(err_s_ptr + rows, mask=row_ok, other=0.0)
+        h = e8 * es[:, None, None] + g  # same product and sum as torch.mul(...).add_(g)
+    else:
+        h = g
+    s = tl.math.div_rn(_block_absmax(h), QMAX * 1.0)
+    q = _codes(h, s, QMAX)
+    tl.store(scales_ptr + rows, s, mask=row_ok)
+    # Offset binary, planar: byte j of a block holds plane i's code j in bits [i*BITS, ...).
+    u = (q + (1 << (BITS - 1))).to(tl.int32)
+    shift = (plane * BITS)[None, :, None]
+    packed = tl.sum(u << shift, axis=1)  # planes occupy disjoint bits: sum == or
+    byte_offs = rows[:, None] * BK + col[None, :]
+    tl.store(codes_ptr + byte_offs, packed.to(tl.uint8), mask=row_ok[:, None] & (col[None, :] >= 0))
+    resid = tl.fma(-q, s[:, None, None], h)  # one rounding, as torch.addcmul (FMA) does
+    h_sq = tl.sum(tl.sum(h * h, axis=2), axis=1)
+    r_sq = tl.sum(tl.sum(resid * resid, axis=2), axis=1)
+    if HAS_ERR:
+        new_e = (h - g) * beta + resid * (1.0 - beta)
+        new_s = tl.math.div_rn(_block_absmax(new_e), 127.0)
+        new_q = _codes(new_e, new_s, 127)
+        ok3 = row_ok[:, None, None] & (offs >= 0)
+        tl.store(new_err_ptr + offs, new_q.to(tl.int8), mask=ok3)
+        tl.store(new_err_s_ptr + rows, new_s, mask=row_ok)
+        e_sq = tl.sum(tl.sum(new_e * new_e, axis=2), axis=1)
+    else:
+        e_sq = r_sq * 0.0
+    tl.store(stats_ptr + rows * 3 + 0, e_sq, mask=row_ok)
+    tl.store(stats_ptr + rows * 3 + 1, r_sq, mask=row_ok)
+    tl.store(stats_ptr + rows * 3 + 2, h_sq, mask=row_ok)
+
+
+@triton.jit
+def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks, row_bytes, code_bytes, scale,
+                           WORLD: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
+                           OUT_BF16: tl.constexpr):
+    K: tl.constexpr = 8 // BITS
+    BK: tl.constexpr = B // K
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < shard_blocks
+    plane = tl.arange(0, K)
+    col = tl.arange(0, BK)
+    byte_offs = rows[:, None] * BK + col[None, :]
+    shift = (plane * BITS)[None, :, None]
+    acc = tl.zeros((ROWS, K, BK), dtype=tl.float32)
+    for r in range(WORLD):  # rank order: the same fp32 additions as the reference
+        packed = tl.load(recv_ptr + r * row_bytes + byte_offs, mask=row_ok[:, None] & (col[None, :] >= 0),
+                         other=0).to(tl.int32)
+        q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
+        s = tl.load(recv_f32_ptr + (r * row_bytes + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
+        # 0 + x == x exactly, so starting from zeros matches the reference's acc = part_0.
+        acc += q.to(tl.float32) * s[:, None, None]
+    acc = acc * scale  # exact when scale == 1.0
+    offs = rows[:, None, None] * B + plane[None, :, None] * BK + col[None, None, :]
+    if OUT_BF16:
+        # fp32 -> bf16 rounding to nearest even on the bits, as torch's copy_ does (and
+        # the same in the interpreter, whose own cast truncates); NaN stays a quiet NaN.
+        bits = acc.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(out_ptr + offs, tl.where(acc != acc, 0x7FC0, rounded).to(tl.uint16), mask=offs < shard)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < shard)
+
+
+ROWS = 4
+"""Quantisation blocks per program (a 1024-element tile at B=256)."""
+
+
+def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_size: int,
+             new_err, new_err_scales, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused compress of flat ``g`` (``numel`` elements, padded to whole blocks).
+
+    ``err``/``err_scales``: int8 ``[nb, B]`` and fp32 ``[nb]`` (None without error
+    feedback); ``new_err``/``new_err_scales`` receive the updated error; ``stats`` fp32
+    ``[nb, 3]`` receives per-block ``(sum e_new^2, sum resid^2, sum h^2)``. Returns
+    ``(codes, scales)`` as :func:`quantize_blockwise` does.
+    """
+    numel = g.numel()
+    nb = -(-numel // block_size)
+    codes = torch.empty(nb * block_size * bits // 8, dtype=torch.uint8, device=g.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=g.device)
+    has_err = err is not None
+    dummy = scales  # never dereferenced when HAS_ERR is False
+    _compress_kernel[(triton.cdiv(nb, ROWS),)](
+        g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
+        new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, float(beta),
+        BITS=bits, B=block_size, ROWS=ROWS, HAS_ERR=has_err)
+    return codes, scales
+
+
+def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0) -> None:
+    """Write ``scale * sum_r D(row r)`` of ``recv`` (uint8 ``[W, row_bytes]``) into ``out``
+    (this rank's shard, ``layout.shard`` elements, any float dtype)."""
+    assert recv.is_contiguous() and layout.row_bytes % 4 == 0 and layout.code_bytes % 4 == 0
+    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
+    bf16 = out.dtype == torch.bfloat16
+    _decompress_sum_kernel[(triton.cdiv(layout.shard_blocks, ROWS),)](
+        recv, recv.view(torch.float32), out.view(torch.uint16) if bf16 else out, layout.shard, layout.shard_blocks, layout.row_bytes,
+        layout.code_bytes, float(scale), WORLD=layout.world, BITS=layout.bits, B=layout.block_size, ROWS=ROWS,
+        OUT_BF16=bf16)

@@ -1,0 +1,163 @@
+"""Fused Triton kernels vs the pure-torch reference, on CPU under TRITON_INTERPRET=1.
+
+The same checks run on CUDA (without the interpreter) when a GPU is present; see
+``benchmarks/kernels.py`` for their speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from conftest import TINY, torchrun, train_losses
+from loco_megatron.loco.collectives import ShardLayout, decompress_into
+from loco_megatron.loco.compressor import LoCoCompressor, resolve_kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """The kernels module, with Triton's interpreter on while this module's tests run
+    when there is no GPU (``@triton.jit`` picks the interpreter at import, and Triton
+    reads the switch again at launch)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import loco_megatron.loco.triton_kernels as module
+
+    yield importlib.reload(module)
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def _inputs(n: int, step: int) -> dict[str, torch.Tensor]:
+    """Random and adversarial gradients: zero blocks, huge values, denormals, mixed scales."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(step)) * 10 ** (step % 3)
+    adversarial = g.clone()
+    adversarial[:256] = 0.0                  # an all-zero block
+    adversarial[256:266] = 1e-42             # denormals: the scale underflows
+    adversarial[600] = 3e38                  # near fp32 max
+    adversarial[900:1000] *= 1e-6            # tiny next to large in one block
+    half_ties = torch.full((n,), 0.5)        # exact ties: round half to even
+    half_ties[::256] = 7.0
+    return {"random": g, "adversarial": adversarial, "ties": half_ties}
+
+
+def _pair(n, bits, **kw):
+    ref = LoCoCompressor(n, bits=bits, device=DEVICE, **kw)
+    fused = LoCoCompressor(n, bits=bits, device=DEVICE, kernels="triton", **kw)
+    return ref, fused
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [2048, 2567])
+@pytest.mark.parametrize("kind", ["random", "adversarial", "ties"])
+def test_compress_matches_reference(tk, bits, n, kind):
+    """Guards against any divergence of the fused compress from the reference: codes and
+    scales bit-identical over several steps (so the error feeds back), the stored error
+    within one int8 step, the metric sums equal - also for sizes off the block grid.
+
+    (The residual ``h - q*s`` may differ by an ulp of ``h``: torch's addcmul and the
+    GPU kernel fuse it into one FMA, the interpreter cannot. That only shows where the
+    error itself is ulp-sized, e.g. next to 3e38, hence the ulp term.)"""
+    ref, fused = _pair(n, bits)
+    for step in range(3):
+        g = _inputs(n, step)[kind].to(DEVICE)
+        h = g.abs() + ref.error().abs()
+        ca, sa = ref.compress(g)
+        cb, sb = fused.compress(g)
+        assert torch.equal(ca, cb) and torch.equal(sa, sb), step
+        step_size = ref.state_dict()["error_scales"].repeat_interleave(256)[:n]
+        ulps = 2 * torch.finfo(torch.float32).eps * h
+        assert torch.all((ref.error() - fused.error()).abs() <= step_size * 1.001 + ulps + 1e-30), step
+        # Squares of the ulp-sized residuals next to 3e38 overflow in one and not the other.
+        finite = torch.isfinite(ref.last_stats) & torch.isfinite(fused.last_stats)
+        tiny = float(ref.last_stats[2].clamp(max=1e30)) * 1e-9  # e.g. ulp-level errors of exact ties
+        torch.testing.assert_close(ref.last_stats[finite], fused.last_stats[finite], rtol=1e-4, atol=tiny)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_and_no_error_feedback(tk, dtype):
+    """Guards against the kernel assuming fp32 gradients or reading an error buffer that
+    the no-error-feedback ablation does not have."""
+    ref, fused = _pair(3000, 4, error_feedback=False)
+    g = torch.randn(3000).to(dtype).to(DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(ref.compress(g), fused.compress(g)))
+    assert fused.error_nbytes() == 0 and fused.last_stats[0] == 0
+
+
+def test_non_finite_gradient_leaves_error_untouched(tk):
+    """Guards against a NaN/Inf leaking into the error (the whole buffer's error must stay
+    as it was) or being hidden from the optimizer's overflow check."""
+    ref, fused = _pair(2048, 4)
+    g = torch.randn(2048, device=DEVICE)
+    ref.compress(g)
+    fused.compress(g)
+    before = fused.state_dict()
+    bad = torch.randn(2048, device=DEVICE)
+    bad[1500] = float("nan")
+    bad[10] = float("inf")
+    ca, sa = ref.compress(bad)
+    cb, sb = fused.compress(bad)
+    assert torch.equal(ca, cb) and torch.equal(sa.isfinite(), sb.isfinite())
+    assert torch.equal(sa[sa.isfinite()], sb[sb.isfinite()])
+    assert not torch.isfinite(sb).all()
+    after = fused.state_dict()
+    assert torch.equal(before["error"], after["error"]) and torch.equal(before["error_scales"], after["error_scales"])
+    assert torch.equal(fused.last_stats, torch.zeros(4, device=DEVICE))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_decompress_sum_matches_reference(tk, bits, out_dtype):
+    """Guards against wrong unpacking, scale offsets, summation order or padding writes in
+    the fused decompress-and-sum: bit-identical to the reference, padding untouched."""
+    world, shard = 3, 700  # 700 is not a multiple of the block: padded shards
+    layout = ShardLayout(world * shard, world, bits, 256)
+    rows = []
+    for r in range(world):
+        comp = LoCoCompressor(layout.compressed_numel, bits=bits, device=DEVICE)
+        rows.append(layout.pack(*comp.compress(torch.randn(layout.compressed_numel, device=DEVICE) * (r + 1)))[1])
+    recv = torch.stack(rows).contiguous()
+    want = torch.full((shard + 5,), 42.0, dtype=out_dtype, device=DEVICE)
+    got = want.clone()
+    decompress_into(recv, layout, want[:shard], 1.0 / world)
+    tk.decompress_sum(recv, layout, got[:shard], 1.0 / world)
+    assert torch.equal(want, got)
+    assert torch.all(got[shard:] == 42.0)
+
+
+def test_kernel_selection():
+    """Guards against silently running the slow interpreter, or failing with a traceback,
+    when --loco-kernels asks for something this machine cannot do."""
+    assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "torch"
+    assert resolve_kernels("auto", "cpu", True, 4, 256, 8, True) == "torch"  # never auto-interpret
+    assert resolve_kernels("torch", "cuda", False, 4, 256, 8, True) == "torch"
+    assert resolve_kernels("auto", "cuda", False, 4, 192, 8, True) == "torch"  # unsupported shape
+    assert resolve_kernels("triton", "cpu", True, 4, 256, 8, True) == "triton"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_kernels("triton", "cpu", False, 4, 256, 8, True)
+    with pytest.raises(ValueError, match="power-of-two"):
+        resolve_kernels("triton", "cuda", False, 4, 192, 8, True)
+    with pytest.raises(ValueError, match="int8 error buffer"):
+        resolve_kernels("triton", "cuda", False, 4, 256, 32, True)
+
+
+def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
+    """Guards against a wiring bug between the kernels and megatron's buckets: 2-rank
+    training with --loco-kernels triton (interpreted) follows the torch path - equal
+    losses while the error is still zero or identical, close afterwards."""
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
+    _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, fused = torchrun(2, args + ["--loco-kernels", "triton"], cache_dir, tmp_path, name="triton")
+    a, b = train_losses(ref), train_losses(fused)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert a[1] == b[1] and a[2] == b[2]
+    assert b[3] == pytest.approx(a[3], rel=1e-3)
