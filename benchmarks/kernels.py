@@ -97,7 +97,6 @@ def main() -> None:
         gb = n * 4 / 1e9
         print(f"{n:>12,} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} {copy_s / comp_s:>6.3f} "
               f"{gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f}", flush=True)
-        del grad, dst, comp, padded, recv
 
 
 if __name__ == "__main__":

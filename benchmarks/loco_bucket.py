@@ -13,7 +13,6 @@ copy of the same gradient bytes on this machine.
 """
 
 import argparse
-import os
 import pathlib
 import socket
 import statistics

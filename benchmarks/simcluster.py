@@ -151,14 +151,24 @@ class SimCluster:
         names = {line.split()[0] for line in out.splitlines() if line.strip()}
         return sorted(names & {self.bridge_ns, *self.node_ns})
 
+    def tx_bytes(self) -> int:
+        """Bytes sent so far by all nodes on their link (``eth0``): inter-node traffic only,
+        since a node's own ranks talk over its loopback."""
+        total = 0
+        for ns in self.node_ns:
+            out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                                 capture_output=True, text=True)
+            total += int(out.stdout.strip() or 0)
+        return total
+
     # -- running -------------------------------------------------------------------------
     def run_torchrun(self, script_and_args: list[str], nproc_per_node: int, timeout: float,
                      env: Optional[dict] = None, log_dir: Optional[pathlib.Path] = None,
-                     port: int = 29555) -> list[subprocess.CompletedProcess]:
+                     port: int = 29555, on_poll=None) -> list[subprocess.CompletedProcess]:
         """Run ``torchrun`` on every node; returns one finished process per node.
 
         Raises :class:`SimClusterError` naming the node on failure or timeout (all nodes'
-        processes are killed first).
+        processes are killed first). ``on_poll()`` is called about every 0.2 s meanwhile.
         """
         procs, logs = [], []
         base_env = dict(os.environ, **(env or {}))
@@ -180,6 +190,8 @@ class SimCluster:
                     raise SimClusterError(f"node {failed[0]} exited with {procs[failed[0]].returncode}")
                 if time.monotonic() > deadline:
                     raise SimClusterError(f"timed out after {timeout:.0f}s")
+                if on_poll is not None:
+                    on_poll()
                 time.sleep(0.2)
             failed = [i for i, p in enumerate(procs) if p.returncode != 0]
             if failed:

@@ -17,14 +17,17 @@ For each topology (``NODESxRANKS``) and inter-node link it trains the same GPT f
 All variants train in bf16 with fp32 main weights (``--bf16``); "fp32 reduce-scatter"
 is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
 ``--grad-reduce-in-bf16``, LoCo compresses the fp32 buffer. A 1-node topology has no
-inter-node link, so it runs once, unshaped.
+inter-node link, so it runs once, unshaped. With several ranks per node LoCo runs
+two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
+``loco4flat`` is the flat all-to-all for comparison. Bytes are per rank per step: all
+it sent, and the part sent to other nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -41,6 +44,8 @@ VARIANTS = {
     "loco8": ("LoCo 8-bit", ["--loco-bits", "8"]),
     "loco4": ("LoCo 4-bit", ["--loco-bits", "4"]),
     "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
+    # Only where a node holds several ranks of a multi-node group (elsewhere it equals loco4):
+    "loco4flat": ("LoCo 4-bit, flat (no two-hop)", ["--loco-bits", "4", "--no-loco-hierarchical"]),
 }
 
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
@@ -64,17 +69,35 @@ def _topology(spec: str) -> tuple[int, int]:
 
 
 def run_one(out: pathlib.Path, name: str, nodes: int, ranks: int, link: str, delay: str | None,
-            args: list[str], timeout: float) -> pathlib.Path:
-    """Train once on a fresh simulated cluster; returns the metrics file."""
+            args: list[str], timeout: float) -> tuple[pathlib.Path, float | None]:
+    """Train once on a fresh simulated cluster; returns the metrics file and the measured
+    inter-node wire bytes per rank per step after the first log window (None on 1 node)."""
     metrics = out / "runs" / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     logs = out / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
     rate = None if link == "none" else link
+    mark: dict = {}
+
+    def first_window_done():
+        # Interface counters once the first log window is written: start-up traffic
+        # (rendezvous, parameter broadcast) stays out of the per-step figure.
+        if "it" not in mark and metrics.exists():
+            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            done = [r["iteration"] for r in rows if "train/lm_loss" in r]
+            if done:
+                mark.update(it=done[0], tx=cluster.tx_bytes())
+
     with SimCluster(nodes, rate=rate, delay=delay if rate else None) as cluster:
         cluster.run_torchrun(["pretrain_gpt.py", *args, "--metrics-jsonl", str(metrics)], ranks, timeout,
-                             env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, log_dir=logs)
-    return metrics
+                             env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, log_dir=logs,
+                             on_poll=first_window_done)
+        end_tx = cluster.tx_bytes()
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    last = max(r["iteration"] for r in rows if "train/lm_loss" in r)
+    if nodes == 1 or "it" not in mark or last <= mark["it"]:
+        return metrics, None
+    return metrics, (end_tx - mark["tx"]) / (nodes * ranks) / (last - mark["it"])
 
 
 def table(groups: dict) -> str:
@@ -84,15 +107,16 @@ def table(groups: dict) -> str:
         base = next((r for r in rows if r["key"] == "bf16"), rows[0])
         out.append(f"\n### {topo} ({'unshaped loopback' if link == 'none' else 'inter-node link ' + link})\n")
         out.append("| gradient sync | median step (s) | tokens/s | comm total / step (ms) | comm exposed / step (ms) "
-                   "| compress / decompress (ms) | bytes sent / rank / step | step vs bf16 | comm total vs bf16 "
-                   "| speedup vs bf16 |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "| compress / decompress (ms) | bytes sent / rank / step | of which to other nodes "
+                   "| step vs bf16 | comm total vs bf16 | speedup vs bf16 |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             comm_ratio = r["comm_total_s"] / base["comm_total_s"] if base["comm_total_s"] else float("nan")
             out.append(
                 f"| {r['label']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['comm_total_s'] * 1e3:.1f} "
                 f"| {r['comm_exposed_s'] * 1e3:.1f} | {r['compress_s'] * 1e3:.1f} / {r['decompress_s'] * 1e3:.1f} "
-                f"| {r['bytes_per_step']:,.0f} | {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
+                f"| {r['bytes_per_step']:,.0f} | {r['inter_bytes_per_step']:,.0f} "
+                f"| {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
                 f"| {base['step_s'] / r['step_s']:.2f}x |")
     return "\n".join(out) + "\n"
 
@@ -103,7 +127,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--links", default="none,1gbit", help="comma-separated tc rates, 'none' = unshaped")
     ap.add_argument("--delay", default=None, help="netem delay on shaped links, e.g. 1ms (needs sch_netem)")
-    ap.add_argument("--topologies", default="1x2,2x1", help="comma-separated NODESxRANKS")
+    ap.add_argument("--topologies", default="1x2,2x1,2x2", help="comma-separated NODESxRANKS")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
@@ -126,6 +150,7 @@ def main() -> None:
         model = [*model, "--data-cache-path", args.data_cache_path]
     log_interval = 1 if args.smoke else 5
     groups: dict = {}
+    wire_bytes: dict = {}
     t_start = time.time()
     for nodes, ranks in topologies:
         links = ["none"] if nodes == 1 else [x for x in args.links.split(",") if x]
@@ -133,17 +158,21 @@ def main() -> None:
             topo = f"{nodes}x{ranks}"
             rows, files = [], []
             for v in variants:
+                if v == "loco4flat" and not (nodes > 1 and ranks > 1):
+                    continue  # two-hop only differs with several nodes of several ranks
                 label, flags = VARIANTS[v]
                 name = f"{topo}_{link}_{v}"
                 run_args = [*model, *flags, "--train-iters", str(args.iters), "--log-interval", str(log_interval)]
                 print(f"[{time.time() - t_start:6.0f}s] {name}", flush=True)
                 try:
-                    path = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
+                    path, wire = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
                 except SimClusterError as e:
                     sys.exit(f"error: {name}: {e} (logs in {out / 'logs' / name})")
                 run = compare_runs.load_run(str(path))
                 run.label = label
                 rows.append({"key": v, **compare_runs.summarize(run)})
+                if wire is not None:
+                    wire_bytes[f"{name} ({label})"] = wire
                 files.append(str(path))
             groups[(topo, link)] = rows
             compare_runs.compare(files, str(out / "plots" / f"{topo}_{link}"), [r["label"] for r in rows])
@@ -151,6 +180,7 @@ def main() -> None:
     header = (f"# Speed: {args.iters} steps per run, variants {', '.join(variants)}; "
               f"netem delay on shaped links: {args.delay or 'none'}\n")
     (out / "speed.md").write_text(header + md)
+    (out / "wire_bytes.json").write_text(json.dumps(wire_bytes, indent=1))
     print(header + md)
 
 

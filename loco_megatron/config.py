@@ -199,6 +199,9 @@ class TrainConfig:
     """Random seed for weights, data order and dropout."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives; a dead rank fails the run after this long."""
+    stop_file: Optional[str] = None
+    """When this file exists, save a checkpoint after the current step and exit 0 (the Slurm
+    templates' signal handler creates it before requeueing the job)."""
     inject_nan: Optional[str] = None
     """Fault injection for tests and drills: 'ITER:RANK' makes RANK's loss (so its gradient) NaN at ITER."""
 
@@ -236,11 +239,23 @@ class LoCoConfig:
     """Sync the first N iterations at full precision (megatron-core's reduce-scatter)."""
     loco_no_error_feedback: bool = False
     """Ablation: quantise the raw gradient with no compensation."""
+    loco_hierarchical: Optional[bool] = None
+    """Two-hop LoCo: reduce inside each node at --loco-intra-node-bits, then across nodes at
+    --loco-bits, each hop with its own error state (default: on when a data-parallel group
+    spans more than one node and holds several ranks per node)."""
+    loco_intra_node_bits: int = 8
+    """Bits of the intra-node hop of two-hop LoCo: 2, 4, 8 (compensated) or 16 (bf16, uncompressed)."""
+    loco_ranks_per_node: Optional[int] = None
+    """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
     loco_kernels: str = "auto"
     """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
     installed and the shape is supported, else torch), torch (the reference) or triton."""
 
     def __post_init__(self):
+        _require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
+                 f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
+        _require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",
+                 "must be >= 1")
         _require(self.loco_kernels in ("auto", "torch", "triton"), "loco_kernels",
                  f"{self.loco_kernels!r} is not one of auto, torch, triton")
         _require(self.loco_bits in (0, 2, 4, 8), "loco_bits", f"{self.loco_bits} is not one of 0, 2, 4, 8")

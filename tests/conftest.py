@@ -10,6 +10,17 @@ import sys
 
 import pytest
 
+# Without a GPU, Triton kernels run in Triton's interpreter, which must be chosen before
+# triton is first imported in this process (megatron-core may import it early).
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # A model small enough that a few steps take seconds on 2 CPU cores.

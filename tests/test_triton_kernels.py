@@ -21,19 +21,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def tk():
-    """The kernels module, with Triton's interpreter on while this module's tests run
-    when there is no GPU (``@triton.jit`` picks the interpreter at import, and Triton
-    reads the switch again at launch)."""
-    old = os.environ.get("TRITON_INTERPRET")
+    """The kernels module (interpreted on CPU: conftest sets TRITON_INTERPRET=1 before
+    anything imports triton)."""
     if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    import loco_megatron.loco.triton_kernels as module
-
-    yield importlib.reload(module)
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+    return importlib.import_module("loco_megatron.loco.triton_kernels")
 
 
 def _inputs(n: int, step: int) -> dict[str, torch.Tensor]:

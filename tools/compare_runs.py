@@ -123,6 +123,7 @@ def summarize(run: Run) -> dict:
         "compress_s": _weighted_mean(steady, "comm/compress_s"),
         "decompress_s": _weighted_mean(steady, "comm/decompress_s"),
         "bytes_per_step": _weighted_mean(steady, "comm/grad_bytes_sent"),
+        "inter_bytes_per_step": _weighted_mean(steady, "comm/grad_bytes_sent_inter"),
         "compression_ratio": _weighted_mean(steady, "comm/compression_ratio"),
         "tokens_seen": run.train[-1]["train/tokens_seen"],
     }

@@ -4,7 +4,7 @@ and the resumable micro-batch iterator that feeds the pipeline schedules."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 

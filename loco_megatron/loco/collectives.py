@@ -96,6 +96,10 @@ class CompressedReduceScatterWork:
         self.done_mark = None
         self.decompress_marks: Optional[tuple] = None
 
+    def is_completed(self) -> bool:
+        """True when the transfer is done (``wait()`` then only decompresses); never blocks."""
+        return self.done_mark is not None or self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self.done_mark is not None:
             return

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
+import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor, Workspace
+from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
+                                        two_hop_reduce_scatter)
 from loco_megatron.metrics.comm import CommStats
 
 SUPPORTED_MCORE = ((0, 16, 0), (0, 17, 0))
@@ -100,6 +102,9 @@ class GradSyncHook:
             from loco_megatron.loco import triton_kernels
 
             self._decompress = triton_kernels.decompress_sum
+        self._node_groups = self._build_node_groups(ddp_models) if loco.enabled else {}
+        self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
+        self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank
         for m, model in enumerate(ddp_models):
             ddp_config = model.ddp_config
             if loco.enabled and ddp_config.num_distributed_optimizer_instances > 1:
@@ -113,9 +118,40 @@ class GradSyncHook:
                 if ddp_config.use_distributed_optimizer:
                     group.start_param_sync = self._make_start_param_sync(group)
 
+    def _build_node_groups(self, ddp_models: list) -> dict:
+        """comm group -> NodeGroups for two-hop LoCo (absent: flat). Collective."""
+        if self.loco.loco_hierarchical is False or not self.loco.loco_ranks_per_node:
+            return {}
+        comm_groups = []
+        for model in ddp_models:
+            for group in _bucket_groups(model):
+                c = self._comm_group(group)
+                if all(c is not x for x in comm_groups):
+                    comm_groups.append(c)
+        built = build_node_groups(comm_groups, self.loco.loco_ranks_per_node)
+        # Two hops need several nodes *and* several ranks per node; otherwise flat is the same.
+        return {id(c): ng for c, ng in zip(comm_groups, built) if ng is not None and ng.per_node > 1}
+
+    def _split_bytes(self, group, nbytes: int) -> None:
+        """Flat collectives: the payload addressed to ranks of this node vs other nodes
+        (rows of an all-to-all, shards of a reduce-scatter)."""
+        rpn = self.loco.loco_ranks_per_node
+        if not rpn:
+            return
+        comm = self._comm_group(group)
+        if id(comm) not in self._split:
+            ranks = dist.get_process_group_ranks(comm)
+            node = dist.get_rank() // rpn
+            self._split[id(comm)] = (sum(1 for r in ranks if r // rpn == node), len(ranks))
+        local, world = self._split[id(comm)]
+        self.stats.add_hop_bytes(nbytes * (local - 1) // world, nbytes * (world - local) // world)
+
     def _make_compressors(self, group, keys) -> None:
         comm = self._comm_group(group)
         world = comm.size()
+        node_groups = self._node_groups.get(id(comm))
+        if node_groups is not None:
+            return self._make_two_hop_compressors(group, keys, node_groups)
         for key, bucket in zip(keys, group.buckets):
             layout = ShardLayout(bucket.grad_data.numel(), world, self.loco.loco_bits,
                                  self.loco.loco_block_size)
@@ -126,6 +162,24 @@ class GradSyncHook:
                 reset_interval=self.loco.loco_reset_interval,
                 error_feedback=not self.loco.loco_no_error_feedback,
                 device=bucket.grad_data.device, kernels=self._kernels)
+
+    def _compressor(self, numel: int, bits: int, device) -> LoCoCompressor:
+        lc = self.loco
+        return LoCoCompressor(numel, bits=bits, beta=lc.loco_beta, block_size=lc.loco_block_size,
+                              error_bits=lc.loco_error_bits, reset_interval=lc.loco_reset_interval,
+                              error_feedback=not lc.loco_no_error_feedback, device=device, kernels=self._kernels)
+
+    def _make_two_hop_compressors(self, group, keys, ng: NodeGroups) -> None:
+        for key, bucket in zip(keys, group.buckets):
+            layout = TwoHopLayout(bucket.grad_data.numel(), ng.nodes, ng.per_node, self.loco.loco_intra_node_bits,
+                                  self.loco.loco_bits, self.loco.loco_block_size)
+            self._layouts[key] = layout
+            dev = bucket.grad_data.device
+            if layout.intra is not None:  # hop 1 compensates its own compression error
+                self.compressors[key + ".intra"] = self._compressor(layout.intra.compressed_numel,
+                                                                    self.loco.loco_intra_node_bits, dev)
+            self.compressors[key + ".inter"] = self._compressor(layout.inter.compressed_numel,
+                                                                self.loco.loco_bits, dev)
 
     @staticmethod
     def _comm_group(group):
@@ -175,6 +229,7 @@ class GradSyncHook:
 
     def _timed_original(self, group, original, force_all_reduce):
         raw = sum(b.grad_data.numel() * b.grad_data.element_size() for b in group.buckets)
+        self._split_bytes(group, raw)
         launch = self.clock.mark()
         original(force_all_reduce=force_all_reduce)
         if group.grad_reduce_handle is None:  # synchronous: already complete, all exposed
@@ -193,10 +248,16 @@ class GradSyncHook:
         comm = self._comm_group(group)
         async_op = ddp_config.overlap_grad_reduce
         works, sent, raw = [], 0, 0
+        self._hop2_order.advance()  # start hop 2 of earlier buckets whose hop 1 is done
         for key, bucket in zip(keys, group.buckets):
             # Same scaling megatron applies before its reduce-scatter (1/DP for an average).
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
+            if isinstance(self._layouts[key], TwoHopLayout):
+                work = self._two_hop_start(key, bucket, comm, ddp_config, async_op)
+                works.append(work)
+                raw += bucket.grad_data.numel() * bucket.grad_data.element_size()
+                continue
             compressor = self.compressors[key]
             start = self.clock.mark()
             work, nbytes = compressed_reduce_scatter(
@@ -206,12 +267,19 @@ class GradSyncHook:
                 average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress)
             self.stats.add_interval("compress", start, work.launch_mark)
             self.stats.add_loco(compressor.last_stats)
+            self._split_bytes(group, nbytes)
             works.append(work)
             sent += nbytes
             raw += bucket.grad_data.numel() * bucket.grad_data.element_size()
 
         def done(ws, wait_start, wait_end):
-            self._record(ws, wait_start, wait_end, True, sent, raw)
+            two_hop = [w for w in ws if isinstance(w, TwoHopWork)]
+            for w in two_hop:
+                for marks in w.extra_compress_marks:
+                    self.stats.add_interval("compress", *marks)
+            self.stats.add_hop_bytes(sum(w.bytes_intra for w in two_hop), sum(w.bytes_inter for w in two_hop))
+            self._record(ws, wait_start, wait_end, True,
+                         sent + sum(w.bytes_intra + w.bytes_inter for w in two_hop), raw)
 
         multi = _MultiWork(works, self.clock, done)
         if async_op:
@@ -219,6 +287,28 @@ class GradSyncHook:
         else:
             multi.wait()
             group.grad_reduce_handle = None
+
+    def _two_hop_start(self, key, bucket, comm, ddp_config, async_op) -> TwoHopWork:
+        ng = self._node_groups[id(comm)]
+        intra = self.compressors.get(key + ".intra")
+        inter = self.compressors[key + ".inter"]
+
+        def compress_inter(flat):
+            out = inter.compress(flat, self._workspace)
+            self.stats.add_loco(inter.last_stats)
+            return out
+
+        start = self.clock.mark()
+        work, _ = two_hop_reduce_scatter(
+            bucket.grad_data, self._layouts[key], ng,
+            (lambda flat: intra.compress(flat, self._workspace)) if intra else None,
+            compress_inter, async_op=async_op,
+            average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
+            gather_group=None if ddp_config.use_distributed_optimizer else comm, sequencer=self._hop2_order)
+        self.stats.add_interval("compress", start, work.launch_mark)
+        if intra is not None:
+            self.stats.add_loco(intra.last_stats)
+        return work
 
     # -- checkpointing: the error buffers and step counters --------------------------
     def state_dict(self) -> dict:

@@ -36,15 +36,13 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _block_absmax(x):
-    """max |x| over a block's planes, NaN-propagating like torch.amax (tl.max is not: a
-    NaN must give a NaN scale so the overflow stays visible)."""
-    return tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+    """max |x| over a block's planes, NaN-propagating like torch.amax (tl.max is not, and a
+    NaN must give a NaN scale so the overflow stays visible). Two built-in reductions
+    rather than a custom combine function, which the interpreter runs element by element."""
+    m = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    nans = tl.sum(tl.sum((x != x).to(tl.int32), axis=2), axis=1)
+    return tl.where(nans > 0, float("nan"), m)
 
 
 @triton.jit
@@ -140,8 +138,10 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks,
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < shard)
 
 
-ROWS = 4
-"""Quantisation blocks per program (a 1024-element tile at B=256)."""
+def _rows(t: torch.Tensor) -> int:
+    """Quantisation blocks per program: a 1024-element tile on a GPU (B=256); on CPU, under
+    the interpreter, big tiles, since there every program costs Python overhead."""
+    return 4 if t.is_cuda else 64
 
 
 def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_size: int,
@@ -159,10 +159,11 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
     scales = torch.empty(nb, dtype=torch.float32, device=g.device)
     has_err = err is not None
     dummy = scales  # never dereferenced when HAS_ERR is False
-    _compress_kernel[(triton.cdiv(nb, ROWS),)](
+    rows = _rows(g)
+    _compress_kernel[(triton.cdiv(nb, rows),)](
         g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
         new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, float(beta),
-        BITS=bits, B=block_size, ROWS=ROWS, HAS_ERR=has_err)
+        BITS=bits, B=block_size, ROWS=rows, HAS_ERR=has_err)
     return codes, scales
 
 
@@ -172,7 +173,8 @@ def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float =
     assert recv.is_contiguous() and layout.row_bytes % 4 == 0 and layout.code_bytes % 4 == 0
     assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
     bf16 = out.dtype == torch.bfloat16
-    _decompress_sum_kernel[(triton.cdiv(layout.shard_blocks, ROWS),)](
+    rows = _rows(recv)
+    _decompress_sum_kernel[(triton.cdiv(layout.shard_blocks, rows),)](
         recv, recv.view(torch.float32), out.view(torch.uint16) if bf16 else out, layout.shard, layout.shard_blocks, layout.row_bytes,
-        layout.code_bytes, float(scale), WORLD=layout.world, BITS=layout.bits, B=layout.block_size, ROWS=ROWS,
+        layout.code_bytes, float(scale), WORLD=layout.world, BITS=layout.bits, B=layout.block_size, ROWS=rows,
         OUT_BF16=bf16)

@@ -61,6 +61,10 @@ class CommStats:
         """What the same syncs cost at the gradient buffer's dtype."""
         self.grad_bytes_compressed_part = 0
         """Of ``grad_bytes_uncompressed``, the part that was sent compressed."""
+        self.grad_bytes_sent_intra = 0
+        """Two-hop LoCo: bytes this rank sent to other ranks of its node (hop 1)."""
+        self.grad_bytes_sent_inter = 0
+        """Two-hop LoCo: bytes this rank sent to ranks on other nodes (hop 2)."""
         self._loco_sums: Optional[torch.Tensor] = None
 
     def add_interval(self, kind: str, start, end) -> None:
@@ -72,6 +76,10 @@ class CommStats:
         self.grad_bytes_uncompressed += uncompressed
         if compressed:
             self.grad_bytes_compressed_part += uncompressed
+
+    def add_hop_bytes(self, intra: int, inter: int) -> None:
+        self.grad_bytes_sent_intra += intra
+        self.grad_bytes_sent_inter += inter
 
     def add_loco(self, sums: torch.Tensor) -> None:
         """fp32 ``[4]`` device sums ``(sum e^2, sum (h-D(q))^2, sum h^2, numel)`` of one bucket."""
@@ -89,6 +97,8 @@ class CommStats:
             "comm/grad_bytes_uncompressed": float(raw),
             "comm/compression_ratio": self.grad_bytes_sent / raw if raw else 1.0,
             "comm/compressed_fraction": self.grad_bytes_compressed_part / raw if raw else 0.0,
+            "comm/grad_bytes_sent_intra": float(self.grad_bytes_sent_intra),
+            "comm/grad_bytes_sent_inter": float(self.grad_bytes_sent_inter),
         })
         sums = self._loco_sums
         self._reset()

@@ -51,14 +51,18 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
 
 def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) -> Config:
     """Turn ``--loco-kernels auto`` into torch or triton for this device (one-line error
-    when triton is demanded and cannot run)."""
+    when triton is demanded and cannot run), and fill in the ranks per node."""
     lc = config.loco
     try:
         kernels = resolve_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
                                   lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels))
+    per_node = lc.loco_ranks_per_node or env.local_world_size
+    if env.world_size % per_node:
+        raise ConfigError(f"--loco-ranks-per-node: {per_node} does not divide the world size {env.world_size}")
+    return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels,
+                                                                  loco_ranks_per_node=per_node))
 
 
 def _configure_schedules(model_chunks: list, optimizer) -> None:
@@ -171,12 +175,24 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
                 _save(ckpt, state, stateful, chunks, config)
+            if t.stop_file and _stop_requested(t.stop_file, layout, device):
+                if layout.is_logging_rank:
+                    print(f"stop requested ({t.stop_file}): saving at iteration {state.iteration}", flush=True)
+                break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
             _save(ckpt, state, stateful, chunks, config)
     finally:
         logger.close()
     return last
+
+
+def _stop_requested(path: str, layout: ParallelLayout, device) -> bool:
+    """Rank 0 looks for the stop file; every rank gets the same answer (one tiny all-reduce
+    per step), so they all save and leave at the same iteration."""
+    flag = torch.tensor([float(layout.rank == 0 and pathlib.Path(path).exists())], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config) -> None:

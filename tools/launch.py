@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Per-node torchrun commands for a Slurm allocation (used by ``tools/slurm/*.sbatch``).
+
+    # what every node would run, for the current (or a faked) SLURM_* environment:
+    python tools/launch.py render --config configs/gpt_1.3b.yaml --run-dir runs/gpt -- --loco-bits 4
+    # on one node (one Slurm task per node): exec its torchrun
+    srun --ntasks-per-node=1 python tools/launch.py exec --config ... --run-dir ... -- OVERRIDES
+
+The command trains ``pretrain_gpt.py --config CONFIG OVERRIDES`` with ``--save`` and
+``--load`` in ``RUN_DIR/checkpoints`` (so a requeued job resumes from its latest
+checkpoint), metrics in ``RUN_DIR/metrics.jsonl`` and ``--stop-file RUN_DIR/STOP``
+(the sbatch signal handler creates it; training then saves and exits 0). Rendezvous
+is torchrun's c10d on the first node of ``SLURM_JOB_NODELIST``.
+
+Read from the environment: ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``),
+``SLURM_NNODES``, ``SLURM_NODEID`` (exec only), ``SLURM_JOB_ID``, and the GPUs per node
+from ``--nproc-per-node``, else ``SLURM_GPUS_ON_NODE``, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+
+RDZV_PORT_BASE = 29400
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """Slurm's compressed host list -> host names: ``gpu[01-03,07],login1`` ->
+    ``gpu01 gpu02 gpu03 gpu07 login1`` (zero padding kept)."""
+    hosts = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", spec):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            if "-" in r:
+                lo, hi = r.split("-", 1)
+                if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                    raise ValueError(f"bad host range '{r}' in '{spec}'")
+                hosts += [f"{prefix}{n:0{len(lo)}d}{suffix}" for n in range(int(lo), int(hi) + 1)]
+            elif r.isdigit():
+                hosts.append(f"{prefix}{r}{suffix}")
+            else:
+                raise ValueError(f"bad host '{r}' in '{spec}'")
+    if not hosts:
+        raise ValueError(f"empty host list '{spec}'")
+    return hosts
+
+
+def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides: list[str],
+                 nproc_per_node: int | None = None, python: str = "python") -> list[str]:
+    """The torchrun command for node ``node_rank`` of the allocation described by ``env``."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ValueError("SLURM_JOB_NODELIST is not set (run inside a Slurm allocation or fake it)")
+    hosts = expand_hostlist(nodelist)
+    nnodes = int(env.get("SLURM_NNODES", len(hosts)))
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node rank {node_rank} is outside the {nnodes}-node allocation")
+    job = env.get("SLURM_JOB_ID", "0")
+    nproc = nproc_per_node or int(str(env.get("SLURM_GPUS_ON_NODE", "1")).split("(")[0] or 1)
+    port = RDZV_PORT_BASE + int(job) % 1000 if job.isdigit() else RDZV_PORT_BASE
+    ckpt = f"{run_dir}/checkpoints"
+    return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id=loco-{job}",
+            "--max-restarts=0", "pretrain_gpt.py", "--config", config, "--save", ckpt, "--load", ckpt,
+            "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--stop-file", f"{run_dir}/STOP", *overrides]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage="%(prog)s {render,exec} --config C --run-dir D [options] -- [pretrain_gpt.py flags]")
+    ap.add_argument("mode", choices=("render", "exec"), help="render: print every node's command; "
+                    "exec: run this node's (SLURM_NODEID)")
+    ap.add_argument("--config", required=True, help="configs/*.yaml")
+    ap.add_argument("--run-dir", required=True, help="checkpoints, metrics and the stop file go here")
+    ap.add_argument("--nproc-per-node", type=int, default=None)
+    ap.add_argument("--python", default=sys.executable)
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    overrides = argv[cut + 1:]  # everything after -- goes to pretrain_gpt.py untouched
+    if not os.path.isfile(args.config):
+        sys.exit(f"error: --config: {args.config} does not exist")
+    env = dict(os.environ)
+    try:
+        if args.mode == "render":
+            nnodes = int(env.get("SLURM_NNODES") or len(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))))
+            for i in range(nnodes):
+                cmd = node_command(i, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python)
+                print(f"# node {i}\n{shlex.join(cmd)}")
+            return
+        node = int(env.get("SLURM_NODEID", "-1"))
+        cmd = node_command(node, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    os.makedirs(args.run_dir, exist_ok=True)
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Shared body of the sbatch templates: environment, one torchrun per node through srun,
+# and checkpoint-then-requeue on the signal Slurm sends before the time limit (or on
+# preemption). Sourced by pretrain_gpt.sbatch / pretrain_moe.sbatch, which set:
+#   CONFIG    configs/*.yaml with the model and training options
+#   RUN_DIR   folder of this run: checkpoints/, metrics.jsonl, STOP (kept across requeues)
+#   OVERRIDES array of extra pretrain_gpt.py flags (optional)
+
+set -euo pipefail
+
+: "${CONFIG:?set CONFIG to a configs/*.yaml file}"
+: "${RUN_DIR:?set RUN_DIR}"
+if [[ ! -f "$CONFIG" ]]; then
+    echo "error: CONFIG=$CONFIG does not exist" >&2
+    exit 2
+fi
+mkdir -p "$RUN_DIR"
+STOP_FILE="$RUN_DIR/STOP"
+rm -f "$STOP_FILE"  # a fresh start or a requeued one: train until told otherwise
+
+# NCCL across nodes; override what your fabric needs (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA).
+export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+# wandb: logs online with WANDB_API_KEY, else offline into RUN_DIR (wandb sync later).
+export WANDB_DIR="${WANDB_DIR:-$RUN_DIR}"
+
+echo "job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-?} (${SLURM_NNODES:-?} nodes): $CONFIG -> $RUN_DIR"
+
+# shellcheck disable=SC2329  # invoked by the trap below
+on_signal() {
+    # Slurm's --signal=B:USR1@N (or a preemption SIGTERM) reaches this batch shell: ask
+    # the training to save a checkpoint and stop; the job is requeued once it has.
+    echo "signal received: asking training to checkpoint and stop"
+    touch "$STOP_FILE"
+}
+trap on_signal USR1 TERM
+
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
+    python tools/launch.py exec --config "$CONFIG" --run-dir "$RUN_DIR" ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} \
+    -- "${OVERRIDES[@]}" &
+SRUN_PID=$!
+rc=0
+# A trap interrupts `wait`; keep waiting until srun itself has finished.
+while kill -0 "$SRUN_PID" 2>/dev/null; do
+    if wait "$SRUN_PID"; then rc=0; else rc=$?; fi
+done
+
+if [[ -e "$STOP_FILE" && $rc -eq 0 ]]; then
+    rm -f "$STOP_FILE"
+    echo "checkpoint written; requeueing job ${SLURM_JOB_ID:-?}"
+    scontrol requeue "${SLURM_JOB_ID:?}"
+fi
+exit "$rc"
