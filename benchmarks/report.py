@@ -73,15 +73,19 @@ def headline_speed(md: str) -> list[str]:
         step_ratio, comm_ratio = float(loco[7]), float(loco[8])
         exposed_share = float(bf16[3]) / (float(bf16[0]) * 1e3)
         fast = "unshaped" in heading
+        comp, decomp = (float(x) for x in loco[4].split("/"))
+        why = (f" LoCo 4-bit spends {comp:.0f} ms per step compressing (on the backward pass) and "
+               f"{decomp:.0f} ms decompressing, against a whole bf16 step of {float(bf16[0]) * 1e3:.0f} ms.")
         if fast:
             verdict = "met" if step_ratio <= 1.1 else f"missed by {step_ratio / 1.1:.2f}x"
-            out.append(f"- {heading}: LoCo 4-bit step time {step_ratio:.2f}x bf16's (target <= 1.1x: {verdict}).")
+            out.append(f"- {heading}: LoCo 4-bit step time {step_ratio:.2f}x bf16's (target <= 1.1x: {verdict})."
+                       + (why if step_ratio > 1.1 else ""))
         else:
             v_step = "met" if step_ratio <= 0.6 else f"missed by {step_ratio / 0.6:.2f}x"
             v_comm = "met" if comm_ratio <= 0.3 else f"missed by {comm_ratio / 0.3:.2f}x"
             out.append(f"- {heading}: bf16's exposed gradient sync is {exposed_share:.0%} of its step; LoCo 4-bit "
                        f"step time {step_ratio:.2f}x bf16's (target <= 0.6x: {v_step}), gradient-sync time "
-                       f"{comm_ratio:.2f}x (target <= 0.3x: {v_comm}).")
+                       f"{comm_ratio:.2f}x (target <= 0.3x: {v_comm})." + (why if step_ratio > 0.6 else ""))
         two_hop = rows.get("LoCo 4-bit, flat (no two-hop)")
         if two_hop:
             inter = lambda row: float(row[6].replace(",", ""))  # noqa: E731
@@ -207,8 +211,20 @@ def main() -> None:
         "- On CPU the compressor is the pure-torch reference: a dozen vectorised passes over",
         "  each bucket on one thread per rank. Its cost sits on the backward pass, which is",
         "  what the unshaped (fast-link) rows pay for; the fused Triton kernels exist for GPUs.",
+        "- Two-hop LoCo on CPU: hop 1 compresses the whole bucket (8 bits) and hop 2 compresses",
+        "  the rank's chunk again, so each rank runs the compressor over more bytes than flat",
+        "  LoCo does; on this CPU that compute outweighs the inter-node bytes it saves except on",
+        "  the slowest link. Its design assumes compression costs about one memory pass (the",
+        "  fused GPU kernels), where the inter-node bytes dominate.",
+        "- What would close the CPU compression gap: a fused one-pass CPU kernel (a C++/OpenMP",
+        "  extension, or Triton's CPU backend once it is usable), or running the compressor",
+        "  on spare cores alongside backward instead of inline in the gradient hook.",
         "- Bytes are what this rank handed to gradient collectives per step (codes + scales",
-        "  for LoCo); the wire-byte table counts everything that left a node's interface.",
+        "  for LoCo; *to other nodes*: the part addressed to ranks on other nodes). The",
+        "  wire-byte table counts everything that left a node's interface after the first log",
+        "  window, per rank per step: it also carries the parameter all-gather, TCP/IP",
+        "  overhead and whatever extra traffic gloo's collective algorithms make, so it is",
+        "  larger than the payload.",
         "",
     ]
     out.write_text("\n".join(doc))

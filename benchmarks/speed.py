@@ -51,10 +51,10 @@ VARIANTS = {
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
 # on a 1 Gbit/s link, small enough for a 2-core CPU.
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
-         "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--lr", "3e-4",
+         "--micro-batch-size", "1", "--bf16", "--lr", "3e-4",
          "--lr-warmup-iters", "2", "--eval-interval", "0", "--ddp-bucket-size", "4000000", "--overlap-param-gather"]
 SMOKE_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-               "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--lr-warmup-iters", "1",
+               "--micro-batch-size", "1", "--bf16", "--lr-warmup-iters", "1",
                "--eval-interval", "0", "--ddp-bucket-size", "40000"]
 
 
@@ -162,7 +162,9 @@ def main() -> None:
                     continue  # two-hop only differs with several nodes of several ranks
                 label, flags = VARIANTS[v]
                 name = f"{topo}_{link}_{v}"
-                run_args = [*model, *flags, "--train-iters", str(args.iters), "--log-interval", str(log_interval)]
+                # One micro batch per rank per step: the same compute per rank on every topology.
+                run_args = [*model, *flags, "--global-batch-size", str(nodes * ranks), "--train-iters",
+                            str(args.iters), "--log-interval", str(log_interval)]
                 print(f"[{time.time() - t_start:6.0f}s] {name}", flush=True)
                 try:
                     path, wire = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
