@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """LoCo compress and decompress-and-sum throughput vs memory-copy bandwidth.
 
-For bucket sizes from 1M to 100M fp32 elements it times, on the GPU when one is
-present (else the CPU, with all of torch's threads):
+For bucket sizes from 1M to 100M fp32 elements (``--sizes 1M,...,256M`` on a GPU) it
+times, on the GPU when one is present (else the CPU, with all of torch's threads):
 
 * ``copy``: ``dst.copy_(grad)`` of the bucket (the machine's memory-copy speed on the
   same bytes);
@@ -22,6 +22,7 @@ what the targets are stated in. Median of ``--repeats`` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -31,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from loco_megatron.loco.collectives import ShardLayout, decompress_sum  # noqa: E402
-from loco_megatron.loco.compressor import LoCoCompressor, Workspace  # noqa: E402
+from loco_megatron.loco.collectives import ShardLayout, decompress_into  # noqa: E402
+from loco_megatron.loco.compressor import LoCoCompressor, Workspace, resolve_kernels  # noqa: E402
 
 
 def _size(text: str) -> int:
@@ -69,16 +70,24 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8, help="ranks a bucket is reduce-scattered over")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
+                    help="auto: the fused Triton kernels on CUDA when triton is installed (with the torch "
+                         "reference timed alongside for the speedup), else torch")
     ap.add_argument("--smoke", action="store_true", help="two tiny sizes, one repeat")
     args = ap.parse_args()
     if args.smoke:
         args.sizes, args.repeats = "64K,256K", 1
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        kernels = resolve_kernels(args.kernels, device.type, os.environ.get("TRITON_INTERPRET") == "1",
+                                  args.bits, 256, 8, True)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     sizes = [_size(s) for s in args.sizes.split(",") if s]
     median = _timer(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads"
-    print(f"LoCo {args.bits}-bit kernels on {where}; W={args.world}, median of {args.repeats}")
+    print(f"LoCo {args.bits}-bit {kernels} kernels on {where}; W={args.world}, median of {args.repeats}")
     print(f"{'elements':>12} {'copy GB/s':>10} {'compress GB/s':>14} {'ratio':>6} "
           f"{'decomp+sum GB/s':>16} {'ratio':>6}")
     ws = Workspace()
@@ -88,15 +97,30 @@ def main() -> None:
         grad = torch.randn(n, device=device)
         dst = torch.empty_like(grad)
         layout = ShardLayout(n, args.world, args.bits, 256)
-        comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device)
         padded = layout.padded(grad).reshape(-1)
+        shard = torch.empty(layout.shard, device=device)
         copy_s = median(lambda: dst.copy_(grad), args.repeats)
-        comp_s = median(lambda: comp.compress(padded, ws), args.repeats)
-        recv = layout.pack(*comp.compress(padded, ws))
-        dec_s = median(lambda: decompress_sum(recv, layout), args.repeats)
+
+        def measure(impl: str) -> tuple[float, float]:
+            comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl)
+            comp_s = median(lambda: comp.compress(padded, ws), args.repeats)
+            recv = layout.pack(*comp.compress(padded, ws))
+            if impl == "triton":
+                from loco_megatron.loco import triton_kernels
+
+                dec_s = median(lambda: triton_kernels.decompress_sum(recv, layout, shard), args.repeats)
+            else:
+                dec_s = median(lambda: decompress_into(recv, layout, shard), args.repeats)
+            return comp_s, dec_s
+
+        comp_s, dec_s = measure(kernels)
         gb = n * 4 / 1e9
         print(f"{n:>12,} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} {copy_s / comp_s:>6.3f} "
               f"{gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f}", flush=True)
+        if kernels == "triton":
+            ref_c, ref_d = measure("torch")
+            print(f"{'':>12} speedup over the torch reference: compress {ref_c / comp_s:.1f}x, "
+                  f"decompress+sum {ref_d / dec_s:.1f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from loco_megatron.loco import LoCoCompressor  # noqa: E402
+from loco_megatron.loco.compressor import Workspace  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum  # noqa: E402
 
 
@@ -77,9 +78,10 @@ def main() -> None:
     comp = LoCoCompressor(layout.compressed_numel, bits=4, block_size=args.block_size)
     dst = torch.empty_like(grad)
     copy_s = _median_time(lambda: dst.copy_(grad), args.repeats)
-    codes, scales = comp.compress(layout.padded(grad).reshape(-1))
+    ws = Workspace()  # as in training: one scratch reused across buckets and steps
+    codes, scales = comp.compress(layout.padded(grad).reshape(-1), ws)
     recv = layout.pack(codes, scales)
-    comp_s = _median_time(lambda: comp.compress(layout.padded(grad).reshape(-1)), args.repeats)
+    comp_s = _median_time(lambda: comp.compress(layout.padded(grad).reshape(-1), ws), args.repeats)
     # Rank j dequantises W chunks of one shard: one bucket's worth of elements.
     dec_s = _median_time(lambda: decompress_sum(recv, layout), args.repeats)
     gb = n * 4 / 1e9

@@ -189,7 +189,7 @@ def main() -> None:
         "",
         "## 2. Loss parity (`benchmarks/quality.py`)",
         "",
-        quality,
+        re.sub(r"^# (.*)$", r"*\1*", quality, count=1, flags=re.M),
         "![loss vs tokens](benchmarks/quality_loss_vs_tokens.png)",
         "",
         "## 3. Compression kernels (`benchmarks/kernels.py`)",

@@ -25,13 +25,17 @@ def _run(args, timeout=600, **kw):
     return proc
 
 
-def test_kernels_smoke():
-    """Guards against the kernel benchmark breaking: every size gets a row of positive
-    throughputs and ratios."""
-    out = _run(["benchmarks/kernels.py", "--smoke"]).stdout.splitlines()
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_kernels_smoke(kernels):
+    """Guards against the kernel benchmark breaking (for the reference and, interpreted
+    on CPU, the Triton kernels): every size gets a row of positive throughputs."""
+    out = _run(["benchmarks/kernels.py", "--smoke", "--kernels", kernels]).stdout.splitlines()
+    assert f"{kernels} kernels" in out[0]
     rows = [line.split() for line in out if line.strip() and line.split()[0].replace(",", "").isdigit()]
     assert [int(r[0].replace(",", "")) for r in rows] == [65536, 262144]
-    assert all(float(x) > 0 for r in rows for x in r[1:])
+    assert all(float(x) > 0 for r in rows for x in (r[1], r[2], r[4]))  # GB/s columns
+    if kernels == "triton":
+        assert sum("speedup over the torch reference" in line for line in out) == 2
 
 
 def test_quality_smoke(tmp_path, cache_dir):

@@ -156,12 +156,8 @@ class GradSyncHook:
             layout = ShardLayout(bucket.grad_data.numel(), world, self.loco.loco_bits,
                                  self.loco.loco_block_size)
             self._layouts[key] = layout
-            self.compressors[key] = LoCoCompressor(
-                layout.compressed_numel, bits=self.loco.loco_bits, beta=self.loco.loco_beta,
-                block_size=self.loco.loco_block_size, error_bits=self.loco.loco_error_bits,
-                reset_interval=self.loco.loco_reset_interval,
-                error_feedback=not self.loco.loco_no_error_feedback,
-                device=bucket.grad_data.device, kernels=self._kernels)
+            self.compressors[key] = self._compressor(layout.compressed_numel, self.loco.loco_bits,
+                                                     bucket.grad_data.device)
 
     def _compressor(self, numel: int, bits: int, device) -> LoCoCompressor:
         lc = self.loco
