@@ -18,7 +18,7 @@ from conftest import REPO, TINY, read_metrics
 sys.path.insert(0, str(REPO / "tools"))
 import launch  # noqa: E402
 
-SCRIPTS = sorted([*REPO.glob("tools/**/*.sh"), *REPO.glob("tools/**/*.sbatch")])
+SCRIPTS = sorted([*REPO.glob("tools/**/*.sh"), *REPO.glob("tools/**/*.sbatch"), *REPO.glob("benchmarks/*.sh")])
 
 
 def test_every_script_passes_bash_n_and_shellcheck():

@@ -273,6 +273,8 @@ class GradSyncHook:
             for w in two_hop:
                 for marks in w.extra_compress_marks:
                     self.stats.add_interval("compress", *marks)
+                for marks in w.extra_decompress_marks:
+                    self.stats.add_interval("decompress", *marks)
             self.stats.add_hop_bytes(sum(w.bytes_intra for w in two_hop), sum(w.bytes_inter for w in two_hop))
             self._record(ws, wait_start, wait_end, True,
                          sent + sum(w.bytes_intra + w.bytes_inter for w in two_hop), raw)

@@ -117,9 +117,10 @@ class Hop2Sequencer:
 class TwoHopWork:
     """Handle of an in-flight two-hop reduce-scatter; ``wait()`` completes it.
 
-    ``launch_mark``/``done_mark`` and ``decompress_marks`` as for
-    :class:`CompressedReduceScatterWork`; ``compress_s_marks`` lists the (start, end)
-    marks of hop 2's compression, which happens after launch. ``bytes_intra`` and
+    ``launch_mark``/``done_mark`` and ``decompress_marks`` (hop 2's) as for
+    :class:`CompressedReduceScatterWork`; ``extra_compress_marks`` holds the (start, end)
+    marks of hop 2's compression (it happens after launch) and
+    ``extra_decompress_marks`` hop 1's decompression. ``bytes_intra`` and
     ``bytes_inter``: what this rank sent on each hop to *other* ranks.
     """
 
@@ -132,6 +133,7 @@ class TwoHopWork:
         self.clock, self.launch_mark, self.done_mark = clock, launch_mark, None
         self.decompress_marks: Optional[tuple] = None
         self.extra_compress_marks: list[tuple] = []
+        self.extra_decompress_marks: list[tuple] = []
         self.bytes_intra, self.bytes_inter = bytes_intra, 0
 
     def _hop1_done(self, block: bool) -> bool:
@@ -142,6 +144,8 @@ class TwoHopWork:
         if not block and not hasattr(self._hop1, "is_completed"):
             return False
         self._hop1.wait()
+        if getattr(self._hop1, "decompress_marks", None) is not None:
+            self.extra_decompress_marks.append(self._hop1.decompress_marks)
         self._hop1 = None
         return True
 
