@@ -161,7 +161,7 @@ def main() -> None:
         "number here was printed by a script. Ratios matter, not absolute times: these runs share",
         "one small CPU machine.",
         "",
-        f"Machine: {_machine()}. Code: commit {commit or 'unknown'}.",
+        f"Machine: {_machine()}. Page generated at commit {commit or 'unknown'}.",
         "",
         "## Commands",
         "",
