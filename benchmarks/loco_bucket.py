@@ -62,7 +62,7 @@ def main() -> None:
     for bits in (8, 4, 2):
         layout = ShardLayout(n, w, bits, args.block_size)
         one = ShardLayout(n, 1, bits, args.block_size)
-        comp = LoCoCompressor(one.compressed_numel, bits=bits, block_size=args.block_size)
+        comp = LoCoCompressor(**one.compressor_shape(), bits=bits, block_size=args.block_size)
         _, sent = compressed_reduce_scatter(grad.clone(), comp.compress, one, None, async_op=False)
         # Same elements split W ways: only the per-shard block padding differs.
         rows.append((f"LoCo {bits}-bit", sent + (layout.world * layout.row_bytes - one.row_bytes)))
@@ -75,13 +75,13 @@ def main() -> None:
 
     # Throughput: LoCo 4-bit compress + decompress-and-sum vs copying the same gradient.
     layout = ShardLayout(n, w, 4, args.block_size)
-    comp = LoCoCompressor(layout.compressed_numel, bits=4, block_size=args.block_size)
+    comp = LoCoCompressor(**layout.compressor_shape(), bits=4, block_size=args.block_size)
     dst = torch.empty_like(grad)
     copy_s = _median_time(lambda: dst.copy_(grad), args.repeats)
     ws = Workspace()  # as in training: one scratch reused across buckets and steps
-    codes, scales = comp.compress(layout.padded(grad).reshape(-1), ws)
+    codes, scales = comp.compress(grad, ws)
     recv = layout.pack(codes, scales)
-    comp_s = _median_time(lambda: comp.compress(layout.padded(grad).reshape(-1), ws), args.repeats)
+    comp_s = _median_time(lambda: comp.compress(grad, ws), args.repeats)
     # Rank j dequantises W chunks of one shard: one bucket's worth of elements.
     dec_s = _median_time(lambda: decompress_sum(recv, layout), args.repeats)
     gb = n * 4 / 1e9

@@ -23,15 +23,15 @@ def _worker(rank, world, port, numel, bits, all_gather, queue, collected):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         layout = ShardLayout(numel, world, bits, 256)
-        comp = LoCoCompressor(layout.compressed_numel, bits=bits, beta=0.8)
+        comp = LoCoCompressor(**layout.compressor_shape(), bits=bits, beta=0.8)
         results = []
         for step in range(3):
             g = torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
             original = g.clone()
             # What this rank transmits, reconstructed independently from its compressor.
-            probe = LoCoCompressor(layout.compressed_numel, bits=bits, beta=0.8)
+            probe = LoCoCompressor(**layout.compressor_shape(), bits=bits, beta=0.8)
             probe.load_state_dict(comp.state_dict())
-            codes, scales = probe.compress(layout.padded(g).reshape(-1))
+            codes, scales = probe.compress(g)
             mine = dequantize_blockwise(codes, scales, bits, 256, layout.compressed_numel)
             work, nbytes = compressed_reduce_scatter(g, comp.compress, layout, None, async_op=True,
                                                      all_gather=all_gather)

@@ -28,8 +28,8 @@ def _worker(rank, port, intra_bits, average, queue, collected):
         ng = build_node_groups([dist.group.WORLD], PER_NODE)[0]
         n = WORLD * SHARD  # a shard of 1000 is not a whole number of blocks: padding on both hops
         layout = TwoHopLayout(n, ng.nodes, ng.per_node, intra_bits, 4, 256)
-        intra = LoCoCompressor(layout.intra.compressed_numel, bits=intra_bits, beta=0.0) if layout.intra else None
-        inter = LoCoCompressor(layout.inter.compressed_numel, bits=4, beta=0.0)
+        intra = LoCoCompressor(**layout.intra.compressor_shape(), bits=intra_bits, beta=0.0) if layout.intra else None
+        inter = LoCoCompressor(**layout.inter.compressor_shape(), bits=4, beta=0.0)
         g = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
         exact = g.clone()
         dist.all_reduce(exact)

@@ -2,20 +2,31 @@
 
 Modelled on megatron-core's ``reduce_scatter_with_fp32_accumulation``: the call
 launches the collective and returns a work handle whose ``wait()`` finishes the
-reduction. Layout for a flat buffer of ``N = W * S`` elements over ``W`` ranks:
+reduction. Layout for a flat buffer of ``N`` elements over ``W`` ranks
+(:class:`ShardLayout`):
 
-* shard ``j`` is elements ``[j*S, (j+1)*S)``; each shard is zero-padded to whole
-  quantisation blocks (``P = ceil(S/B)*B``) so that no element is ever sent
-  uncompressed and block boundaries never straddle two shards;
-* the send buffer is ``uint8 [W, code_bytes + 4*P/B]``: row ``j`` holds this rank's
-  packed codes for shard ``j`` followed by the fp32 scales' bytes;
+* the buffer is ``W * pieces`` consecutive rows of ``S = ceil(N / (W*pieces))``
+  elements (the last rows may be shorter, or empty, when ``N`` does not divide: without
+  the distributed optimizer megatron does not pad its buckets); row ``i`` goes to rank
+  ``i % W``. ``pieces = 1`` is the plain reduce-scatter (row ``j`` = shard ``j``);
+  two-hop LoCo's intra-node hop uses ``pieces = nodes``;
+* each row is zero-padded to whole quantisation blocks (``P = ceil(S/B)*B``) inside
+  the compressor, so no element is ever sent uncompressed, block boundaries never
+  straddle two rows, and no padded copy of the buffer is made;
+* the send buffer is ``uint8 [W, pieces * (code_bytes + 4*P/B)]``: row ``j`` holds this
+  rank's packed codes for its rows ``i % W == j`` followed by their fp32 scales' bytes;
 * one ``all_to_all_single`` delivers row ``j`` of every rank to rank ``j``;
 * ``wait()`` dequantises the ``W`` received rows and sums them in fp32 in rank
-  order (deterministic), then writes the shard (cast to the buffer dtype).
+  order (deterministic), then writes the result (cast to the output's dtype).
+
+Collectives are issued through a :class:`CollectiveOps` (plain ``torch.distributed``
+by default; tests inject a recording one), in program order only: nothing here
+decides what to launch by polling a handle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -25,35 +36,75 @@ from loco_megatron.loco import quantize as qz
 from loco_megatron.metrics.comm import WallClock
 
 
-class ShardLayout:
-    """Sizes of one bucket's compressed reduce-scatter."""
+@dataclasses.dataclass(frozen=True)
+class CollectiveOps:
+    """The ``torch.distributed`` collectives LoCo issues (swap in a wrapper to record or
+    delay them; each has torch's signature and returns torch's work handle)."""
 
-    def __init__(self, numel: int, world: int, bits: int, block_size: int):
-        if numel % world:
-            raise ValueError(f"buffer of {numel} elements does not split over {world} ranks")
+    all_to_all_single: Callable = dist.all_to_all_single
+    reduce_scatter_tensor: Callable = dist.reduce_scatter_tensor
+    all_gather: Callable = dist.all_gather
+    all_gather_into_tensor: Callable = dist.all_gather_into_tensor
+
+
+TORCH_OPS = CollectiveOps()
+
+
+class ShardLayout:
+    """Sizes of one bucket's compressed reduce-scatter (see the module docstring).
+
+    ``piece``/``piece_padded``: ``S`` and ``P`` of one row. What one destination
+    receives from each source: ``shard`` elements to write (``S`` for ``pieces = 1``;
+    ``pieces * P`` otherwise, padding included), in ``shard_blocks`` blocks,
+    ``code_bytes`` of codes then ``4 * shard_blocks`` of scales (``row_bytes``).
+    """
+
+    def __init__(self, numel: int, world: int, bits: int, block_size: int, pieces: int = 1):
         self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
-        self.shard = numel // world
-        self.shard_blocks = qz.num_blocks(self.shard, block_size)
-        self.padded_shard = self.shard_blocks * block_size
+        self.pieces = pieces
+        self.rows = world * pieces
+        self.piece = -(-numel // self.rows)
+        self.piece_blocks = qz.num_blocks(self.piece, block_size)
+        self.piece_padded = self.piece_blocks * block_size
+        self.shard = self.piece if pieces == 1 else pieces * self.piece_padded
+        self.shard_blocks = pieces * self.piece_blocks
+        self.padded_shard = pieces * self.piece_padded
         self.code_bytes = self.padded_shard * bits // 8
         self.row_bytes = self.code_bytes + 4 * self.shard_blocks
 
     @property
+    def divides(self) -> bool:
+        """True when every row holds exactly ``S`` elements."""
+        return self.piece * self.rows == self.numel
+
+    @property
     def compressed_numel(self) -> int:
-        """Elements the compressor sees: every shard padded to whole blocks."""
-        return self.world * self.padded_shard
+        """Elements the compressor quantises: every row padded to whole blocks."""
+        return self.rows * self.piece_padded
+
+    def row_range(self, i: int) -> tuple[int, int]:
+        """Elements ``[start, end)`` of the buffer in row ``i`` (empty past the end)."""
+        start = min(i * self.piece, self.numel)
+        return start, min(start + self.piece, self.numel)
+
+    def compressor_shape(self) -> dict:
+        """Keyword arguments that make a :class:`LoCoCompressor` for this layout."""
+        return {"numel": self.numel, "rows": self.rows}
 
     def padded(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` as ``[W, P]`` (a view when no padding is needed)."""
-        rows = flat.view(self.world, self.shard)
-        if self.padded_shard == self.shard:
-            return rows
-        return torch.nn.functional.pad(rows, (0, self.padded_shard - self.shard))
+        """``flat`` as ``[rows, P]``, zero-padded (a copy; for tests and benchmarks)."""
+        out = torch.zeros(self.rows, self.piece_padded, dtype=flat.dtype, device=flat.device)
+        for i in range(self.rows):
+            a, b = self.row_range(i)
+            out[i, : b - a] = flat[a:b]
+        return out
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """One uint8 ``[W, row_bytes]`` send buffer from per-buffer codes and scales."""
-        return torch.cat([codes.view(self.world, self.code_bytes),
-                          scales.float().view(torch.uint8).view(self.world, -1)], dim=1)
+        """One uint8 ``[W, row_bytes]`` send buffer from per-buffer codes and scales
+        (row ``i`` of the buffer goes to destination ``i % W``)."""
+        c = codes.view(self.pieces, self.world, -1).transpose(0, 1).reshape(self.world, -1)
+        s = scales.float().view(torch.uint8).view(self.pieces, self.world, -1).transpose(0, 1)
+        return torch.cat([c, s.reshape(self.world, -1)], dim=1)
 
     def unpack_row(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return row[: self.code_bytes], row[self.code_bytes:].contiguous().view(torch.float32)
@@ -70,48 +121,77 @@ def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
 
 
 def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, scale: float = 1.0) -> None:
-    """``out = scale * decompress_sum(recv)``, cast to ``out``'s dtype (the reference path)."""
+    """``out = scale * decompress_sum(recv)``, cast to ``out``'s dtype (the reference path);
+    ``out`` may be shorter than ``layout.shard`` (a ragged last row): its prefix is written."""
     total = decompress_sum(recv, layout)
     if scale != 1.0:
         total.mul_(scale)
-    out.copy_(total)
+    out.copy_(total[: out.numel()])
+
+
+def gather_rows(buffer: torch.Tensor, mine: torch.Tensor, layout: ShardLayout, group,
+                ops: CollectiveOps = TORCH_OPS) -> int:
+    """Without the distributed optimizer every rank needs the whole reduced buffer: all-
+    gather every rank's reduced row (``layout.pieces == 1``: row ``j`` on group rank ``j``)
+    into ``buffer`` at its dtype. Synchronous. Returns the bytes this rank handed over."""
+    send = torch.zeros(layout.piece, dtype=buffer.dtype, device=buffer.device)
+    send[: mine.numel()] = mine  # a copy: the collective reads it while buffer is written
+    if layout.divides:
+        ops.all_gather_into_tensor(buffer, send, group=group)
+    else:  # ragged last rows: receive them into temporaries and copy the valid prefix
+        outs, ragged = [], []
+        for i in range(layout.rows):
+            a, b = layout.row_range(i)
+            if b - a == layout.piece:
+                outs.append(buffer[a:b])
+            else:
+                outs.append(torch.empty_like(send))
+                ragged.append((outs[-1], a, b))
+        ops.all_gather(outs, send, group=group)
+        for tmp, a, b in ragged:
+            buffer[a:b] = tmp[: b - a]
+    return send.numel() * send.element_size()
 
 
 class CompressedReduceScatterWork:
     """Handle of an in-flight compressed reduce-scatter; ``wait()`` completes it.
 
-    After ``wait()``: ``out`` holds this rank's reduced shard (and, with
-    ``all_gather_group``, the full buffer holds every reduced shard). The clock marks
-    ``launch_mark``, ``decompress_marks`` (start, end) and ``done_mark`` describe what
-    it cost (see :mod:`loco_megatron.metrics.comm`).
+    After ``wait()``: ``out`` holds this rank's reduced rows (and, with ``gather_into``,
+    the full buffer holds every reduced row). The clock marks ``launch_mark``,
+    ``decompress_marks`` (start, end) and ``done_mark`` describe what it cost (see
+    :mod:`loco_megatron.metrics.comm`); ``gather_bytes`` what the all-gather handed over.
     """
 
     def __init__(self, work, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
                  group, gather_into: Optional[torch.Tensor], scale: float, clock, launch_mark,
-                 decompress: Callable = decompress_into):
+                 decompress: Callable = decompress_into, ops: CollectiveOps = TORCH_OPS):
         self._work, self._recv, self._layout, self._out = work, recv, layout, out
-        self._decompress = decompress
+        self._decompress, self._ops = decompress, ops
         self._group, self._gather_into, self._scale = group, gather_into, scale
         self.clock, self.launch_mark = clock, launch_mark
         self.done_mark = None
         self.decompress_marks: Optional[tuple] = None
+        self.gather_bytes = 0
 
-    def is_completed(self) -> bool:
-        """True when the transfer is done (``wait()`` then only decompresses); never blocks."""
-        return self.done_mark is not None or self._work is None or self._work.is_completed()
+    def set_output(self, out: torch.Tensor) -> None:
+        """Where ``wait()`` writes the reduced rows (when not given at launch)."""
+        self._out = out
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self._out
 
     def wait(self) -> None:
         if self.done_mark is not None:
             return
+        assert self._out is not None, "set_output() before wait()"
         if self._work is not None:
             self._work.wait()
         start = self.clock.mark()
         self._decompress(self._recv, self._layout, self._out, self._scale)
         self.decompress_marks = (start, self.clock.mark())
         if self._gather_into is not None:
-            # Without the distributed optimizer every rank needs the whole reduced
-            # buffer: gather the reduced shards at the gradient dtype.
-            dist.all_gather_into_tensor(self._gather_into, self._out.clone(), group=self._group)
+            self.gather_bytes = gather_rows(self._gather_into, self._out, self._layout, self._group, self._ops)
         self.done_mark = self.clock.mark()
         self._recv = None
 
@@ -126,27 +206,34 @@ def compressed_reduce_scatter(
     average: bool = False,
     clock=None,
     decompress: Callable = decompress_into,
+    out: Optional[torch.Tensor] = None,
+    ops: CollectiveOps = TORCH_OPS,
 ) -> tuple[CompressedReduceScatterWork, int]:
     """Launch the compressed reduce-scatter of flat ``buffer`` over ``group``.
 
-    ``compress`` maps the ``[W*P]`` padded buffer to ``(codes, scales)`` (a
-    :class:`LoCoCompressor`'s ``compress``). The reduced shard lands in this rank's
-    shard of ``buffer``; with ``all_gather`` every shard does. Returns the work handle
-    and the number of payload bytes this rank sent. With ``async_op=False`` the
-    handle is already complete. ``clock`` marks launch and completion (wall-clock
-    by default).
+    ``compress`` maps the flat ``buffer`` to ``(codes, scales)`` of its rows, each padded
+    to whole blocks (a :class:`LoCoCompressor` built with ``layout.compressor_shape()``).
+    The reduced row lands in this rank's row of ``buffer`` (``pieces = 1``) or in ``out``
+    (fp32 ``[layout.shard]``; when ``pieces > 1`` it may be set later with
+    ``handle.set_output``, before ``wait()``); with ``all_gather`` every
+    row lands in ``buffer``. Returns the work handle and the payload bytes this rank
+    handed to the all-to-all (the all-gather's are ``handle.gather_bytes`` once
+    waited). With ``async_op=False`` the handle is already complete. ``clock`` marks
+    launch and completion (wall-clock by default).
     """
     clock = clock or WallClock()
     rank = dist.get_rank(group)
-    codes, scales = compress(layout.padded(buffer).reshape(-1))
+    codes, scales = compress(buffer)
     send = layout.pack(codes, scales)
     recv = torch.empty_like(send)
     launch = clock.mark()
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    out = buffer.view(layout.world, layout.shard)[rank]
+    work = ops.all_to_all_single(recv, send, group=group, async_op=async_op)
+    if out is None and layout.pieces == 1:
+        a, b = layout.row_range(rank)
+        out = buffer[a:b]
     handle = CompressedReduceScatterWork(
         work, recv, layout, out, group, buffer if all_gather else None,
-        1.0 / layout.world if average else 1.0, clock, launch, decompress)
+        1.0 / layout.world if average else 1.0, clock, launch, decompress, ops)
     if not async_op:
         handle.wait()
     return handle, send.numel()

@@ -46,32 +46,60 @@ def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, b
     return "triton"
 
 
+class LoCoStateMismatch(ValueError):
+    """A checkpointed LoCo state that does not fit this compressor (the message says why)."""
+
+
 class Workspace:
     """Scratch buffers reused across calls and buckets, grown to the largest request.
 
     Compression of one bucket finishes before the next starts (same stream), so one
-    workspace serves every bucket of a run: the transient memory is two fp32 copies of
-    the largest bucket, never of the whole model.
+    workspace serves every bucket of a run. The compressor works through a bucket in
+    chunks of at most ``chunk_elements`` elements, so the scratch it asks for is bounded
+    by the chunk size, never by the bucket or the model. :attr:`nbytes` is what the
+    workspace holds now (the high-water mark: buffers are never shrunk).
     """
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple, device, dtype=torch.float32) -> torch.Tensor:
-        n = shape[0] * shape[1]
+        n = 1
+        for d in shape:
+            n *= d
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n or buf.device != torch.device(device) or buf.dtype != dtype:
+            self._buffers.pop(name, None)  # free the old one before allocating the larger one
             buf = torch.empty(n, dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:n].view(shape)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+"""Elements the torch path compensates/quantises at a time: 2 fp32 scratch buffers of
+16 MiB each, whatever the bucket size (``--no-overlap-grad-reduce`` makes a whole
+pipeline stage one bucket)."""
+
 
 class LoCoCompressor:
-    """LoCo compressor for one flat buffer of ``numel`` elements (padded to whole blocks)."""
+    """LoCo compressor for one flat buffer of ``numel`` elements in ``rows`` rows.
+
+    The buffer is split into ``rows`` consecutive rows of ``S = ceil(numel / rows)``
+    elements (the last may be shorter, or even empty), and each row is zero-padded to
+    ``P = ceil(S / B) * B`` (whole blocks), so a block never straddles two rows (two
+    destinations of a reduce-scatter) and no padded copy of the buffer is ever made.
+    Codes, scales and the error cover ``rows * P / B`` blocks, row-major.
+    ``rows = 1`` is a plain flat buffer whose last block is zero-padded.
+    """
 
     def __init__(self, numel: int, bits: int = 4, beta: float = 0.8, block_size: int = 256,
                  error_bits: int = 8, reset_interval: int = 1024, error_feedback: bool = True,
-                 device: Optional[torch.device] = None, kernels: str = "torch"):
+                 device: Optional[torch.device] = None, kernels: str = "torch", rows: int = 1,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
         if bits not in qz.SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {qz.SUPPORTED_BITS}, got {bits}")
         if not 0.0 <= beta < 1.0:
@@ -84,12 +112,18 @@ class LoCoCompressor:
             raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
         if kernels == "triton" and error_feedback and error_bits != 8:
             raise ValueError("the Triton kernels store the error in int8 only (error_bits=8)")
+        if rows < 1 or chunk_elements < block_size:
+            raise ValueError(f"rows must be >= 1 and chunk_elements >= block_size, got {rows}, {chunk_elements}")
         self.kernels = kernels
         self.numel, self.bits, self.beta = numel, bits, beta
         self.block_size, self.error_bits = block_size, error_bits
         self.reset_interval, self.error_feedback = reset_interval, error_feedback
-        self.num_blocks = qz.num_blocks(numel, block_size)
+        self.rows = rows
+        self.row_numel = -(-numel // rows)
+        self.row_blocks = qz.num_blocks(self.row_numel, block_size)
+        self.num_blocks = rows * self.row_blocks
         self.padded_numel = self.num_blocks * block_size
+        self.chunk_blocks = max(1, chunk_elements // block_size)
         self.last_stats: Optional[torch.Tensor] = None
         """fp32 ``[4]`` sums from the last :meth:`compress` (see there)."""
         self.step = 0
@@ -106,28 +140,32 @@ class LoCoCompressor:
             self._err_scales = None
 
     # -- error storage ---------------------------------------------------------------
-    def _error_blocks(self) -> torch.Tensor:
-        """fp32 ``[num_blocks, block_size]`` view of the stored error."""
+    def _error_blocks(self, b0: int = 0, b1: Optional[int] = None) -> torch.Tensor:
+        """fp32 ``[b1 - b0, block_size]`` copy of the stored error of blocks ``[b0, b1)``."""
+        b1 = self.num_blocks if b1 is None else b1
         if self._err is None:
-            return torch.zeros(self.num_blocks, self.block_size, device=torch.device("cpu"))
+            return torch.zeros(b1 - b0, self.block_size, device=torch.device("cpu"))
         if self.error_bits == 8:
-            return self._err.float() * self._err_scales.unsqueeze(1)
-        return self._err.float()
+            return self._err[b0:b1].float() * self._err_scales[b0:b1].unsqueeze(1)
+        return self._err[b0:b1].float()
 
-    def _store_error(self, e: torch.Tensor, finite: torch.Tensor, scratch: torch.Tensor) -> None:
-        """Store ``e`` unless ``finite`` (0-d bool tensor) is False; selected on the device
-        with ``torch.where`` so that there is no host sync."""
+    def _store_error(self, e: torch.Tensor, finite: torch.Tensor, scratch: torch.Tensor, b0: int, b1: int) -> None:
+        """Store ``e`` as the error of blocks ``[b0, b1)`` unless ``finite`` (0-d bool
+        tensor) is False; selected on the device with ``torch.where`` (no host sync)."""
+        err = self._err[b0:b1]
         if self.error_bits == 8:
             scales = qz.block_scales(e, 8, scratch=scratch)
             codes = qz.round_codes_(e, scales, 8, out=scratch).to(torch.int8)
-            torch.where(finite, codes, self._err, out=self._err)
-            torch.where(finite, scales, self._err_scales, out=self._err_scales)
+            torch.where(finite, codes, err, out=err)
+            err_s = self._err_scales[b0:b1]
+            torch.where(finite, scales, err_s, out=err_s)
         else:
-            torch.where(finite, e.to(self._err.dtype), self._err, out=self._err)
+            torch.where(finite, e.to(err.dtype), err, out=err)
 
     def error(self) -> torch.Tensor:
-        """The current error ``e`` as fp32, ``numel`` elements."""
-        return self._error_blocks().reshape(-1)[: self.numel].clone()
+        """The current error ``e`` as fp32, ``numel`` elements (row padding removed)."""
+        blocks = self._error_blocks().view(self.rows, -1)[:, : self.row_numel]
+        return blocks.reshape(-1)[: self.numel].clone()
 
     def error_nbytes(self) -> int:
         """Bytes held across steps for the error (codes + scales)."""
@@ -136,18 +174,62 @@ class LoCoCompressor:
         n = self._err.numel() * self._err.element_size()
         return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
 
+    def workspace_nbytes(self) -> int:
+        """Scratch the torch path asks of its :class:`Workspace` (two fp32 chunks)."""
+        if self.kernels == "triton":  # int8 new error + its scales + 3 fp32 sums per block
+            return self.num_blocks * (self.block_size + 4 + 12) if self._err is not None else self.num_blocks * 12
+        return 2 * 4 * min(self.chunk_blocks, self.num_blocks) * self.block_size
+
     # -- the algorithm ---------------------------------------------------------------
+    def _chunks(self) -> list[tuple[int, int, int, int]]:
+        """``(block0, block1, elem0, elem1)`` pieces of at most ``chunk_blocks`` blocks,
+        never crossing a row: blocks ``[block0, block1)`` hold the buffer's elements
+        ``[elem0, elem1)`` followed by zero padding."""
+        out = []
+        for r in range(self.rows):
+            row_start = r * self.row_numel
+            row_end = min(row_start + self.row_numel, self.numel)
+            for c in range(0, self.row_blocks, self.chunk_blocks):
+                c1 = min(c + self.chunk_blocks, self.row_blocks)
+                e0 = min(row_start + c * self.block_size, row_end)
+                e1 = min(row_start + c1 * self.block_size, row_end)
+                out.append((r * self.row_blocks + c, r * self.row_blocks + c1, e0, e1))
+        return out
+
+    def _compensate(self, flat: torch.Tensor, chunk: tuple, h: torch.Tensor) -> torch.Tensor:
+        """fp32 blocks ``h = g + e`` of one chunk into scratch ``h`` (returned); the
+        gradient part ``g`` is also left in ``h`` when there is no error."""
+        b0, b1, e0, e1 = chunk
+        n = e1 - e0
+        hv = h.view(-1)
+        hv[:n].copy_(flat[e0:e1])  # widens bf16 in the copy: no fp32 copy of the bucket
+        hv[n:].zero_()
+        if self._err is None:
+            return h
+        if self.error_bits == 8:
+            # h = e + g with e = int8 * scale: the same product and sum, in the same order,
+            # as the unchunked spec (mul then add), so results do not depend on chunking.
+            e = torch.mul(self._err[b0:b1], self._err_scales[b0:b1].unsqueeze(1))
+        else:
+            e = self._err[b0:b1].float()
+        return torch.add(e, h, out=h)
+
     def compress(self, grad: torch.Tensor, workspace: Optional["Workspace"] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-4 for one gradient ``grad`` (``numel`` elements, any float dtype).
 
-        Returns ``(codes, scales)`` exactly as :func:`quantize_blockwise` of ``h = g + e``
-        would and advances the error state and the step counter. ``workspace`` lends
-        two fp32 ``[num_blocks, block_size]`` scratch buffers (shared by all buckets of
-        a run, so no full-size copy is allocated per call). Afterwards
-        :attr:`last_stats` holds fp32 ``[4]`` device sums for the metrics:
-        ``(sum e_new^2, sum (h - D(q))^2, sum h^2, numel)``, all zero when ``h`` is not
-        finite. No host synchronisation happens here.
+        Returns ``(codes, scales)``: uint8 ``[num_blocks * block_size * bits / 8]`` and
+        fp32 ``[num_blocks]``, exactly as :func:`quantize_blockwise` of each zero-padded
+        row of ``h = g + e`` would, and advances the error state and the step counter.
+        ``workspace`` lends the scratch (two fp32 chunks of at most ``chunk_elements``,
+        shared by all buckets of a run). Afterwards :attr:`last_stats` holds fp32 ``[4]``
+        device sums for the metrics: ``(sum e_new^2, sum (h - D(q))^2, sum h^2, numel)``,
+        all zero when ``h`` is not finite. No host synchronisation happens here.
+
+        A bucket larger than one chunk takes two passes: the first computes every
+        block's scale (a NaN/Inf anywhere must keep the *whole* error unchanged, so the
+        verdict is needed before any block's error may change), the second quantises
+        and updates the error chunk by chunk.
         """
         if grad.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements, got {grad.numel()}")
@@ -156,35 +238,46 @@ class LoCoCompressor:
         ws = workspace or Workspace()
         if self.kernels == "triton":
             return self._compress_triton(grad, ws)
-        shape = (self.num_blocks, self.block_size)
-        g = qz._blocks(grad, self.block_size)
-        h = ws.get("h", shape, g.device)
-        work = ws.get("work", shape, g.device)
-        # 1. h = g + e (int8 error * per-block scale is one fused widening multiply).
-        if self._err is None:
-            h.copy_(g)
-        elif self.error_bits == 8:
-            torch.mul(self._err, self._err_scales.unsqueeze(1), out=h).add_(g)
-        else:
-            torch.add(g, self._err, out=h)
-        # 2. quantise; a non-finite block has a non-finite scale (amax propagates NaN).
-        scales = qz.block_scales(h, self.bits, scratch=work)
-        finite = torch.isfinite(scales).all()
-        q = qz.round_codes_(h, scales, self.bits, out=work)
-        codes = qz.pack_codes(q.to(torch.int8), self.bits)
-        # 3. residual h - D(q), in place: work becomes the residual.
-        resid = torch.addcmul(h, q, scales.unsqueeze(1), value=-1.0, out=work)
-        stats = [torch.linalg.vector_norm(resid).square(), torch.linalg.vector_norm(h).square()]
-        if self._err is not None:
-            # e_new = beta*e + (1-beta)*(h - D) with e = h - g, computed in place in h.
-            new_e = h.sub_(g).mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
-            stats.insert(0, torch.linalg.vector_norm(new_e).square())
-            self._store_error(new_e, finite, work)
-        else:
-            stats.insert(0, torch.zeros((), device=g.device))
-        stats.append(torch.tensor(float(self.numel), device=g.device))
+        flat, dev = grad.reshape(-1), grad.device
+        chunks = self._chunks()
+        cb = min(self.chunk_blocks, self.num_blocks)
+        h_buf = ws.get("h", (cb, self.block_size), dev)
+        work_buf = ws.get("work", (cb, self.block_size), dev)
+        scales = torch.empty(self.num_blocks, dtype=torch.float32, device=dev)
+        codes = torch.empty(self.num_blocks * self.block_size * self.bits // 8, dtype=torch.uint8, device=dev)
+        if len(chunks) > 1:  # pass 1: every block's scale, for the whole buffer's verdict
+            for chunk in chunks:
+                b0, b1 = chunk[:2]
+                h = self._compensate(flat, chunk, h_buf[: b1 - b0])
+                scales[b0:b1] = qz.block_scales(h, self.bits, scratch=work_buf[: b1 - b0])
+            # 2. a non-finite block has a non-finite scale (amax propagates NaN).
+            finite = torch.isfinite(scales).all()
+        sums = torch.zeros(3, dtype=torch.float32, device=dev)
+        code_bytes = self.block_size * self.bits // 8
+        for chunk in chunks:
+            b0, b1, e0, e1 = chunk
+            h, work = h_buf[: b1 - b0], work_buf[: b1 - b0]
+            self._compensate(flat, chunk, h)  # 1. h = g + e
+            s = scales[b0:b1]
+            if len(chunks) == 1:
+                s.copy_(qz.block_scales(h, self.bits, scratch=work))
+                finite = torch.isfinite(s).all()
+            q = qz.round_codes_(h, s, self.bits, out=work)
+            codes[b0 * code_bytes:b1 * code_bytes] = qz.pack_codes(q.to(torch.int8), self.bits)
+            # 3. residual h - D(q), in place: work becomes the residual.
+            resid = torch.addcmul(h, q, s.unsqueeze(1), value=-1.0, out=work)
+            sums[1] += torch.linalg.vector_norm(resid).square()
+            sums[2] += torch.linalg.vector_norm(h).square()
+            if self._err is not None:
+                # e_new = beta*e + (1-beta)*(h - D) with e = h - g, computed in place in h
+                # (the padding holds g = 0, so only the gradient's elements are subtracted).
+                h.view(-1)[: e1 - e0].sub_(flat[e0:e1])
+                new_e = h.mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
+                sums[0] += torch.linalg.vector_norm(new_e).square()
+                self._store_error(new_e, finite, work, b0, b1)
         # Keep the NaN of a bad step out of the metrics as well as out of the error.
-        self.last_stats = torch.where(finite, torch.stack(stats), torch.zeros(4, device=g.device))
+        stats = torch.cat([sums, torch.tensor([float(self.numel)], device=dev)])
+        self.last_stats = torch.where(finite, stats, torch.zeros(4, device=dev))
         self.step += 1
         return codes, scales
 
@@ -195,10 +288,12 @@ class LoCoCompressor:
         shape, dev = (self.num_blocks, self.block_size), grad.device
         ef = self._err is not None
         new_err = ws.get("new_err", shape, dev, torch.int8) if ef else None
-        new_scales = ws.get("new_err_scales", (self.num_blocks, 1), dev).view(-1) if ef else None
+        new_scales = ws.get("new_err_scales", (self.num_blocks,), dev) if ef else None
         stats = ws.get("stats", (self.num_blocks, 3), dev)
         codes, scales = triton_kernels.compress(grad.reshape(-1), self._err, self._err_scales, self.beta,
-                                                self.bits, self.block_size, new_err, new_scales, stats)
+                                                self.bits, self.block_size, new_err, new_scales, stats,
+                                                row_numel=self.row_numel, row_blocks=self.row_blocks,
+                                                num_blocks=self.num_blocks)
         finite = torch.isfinite(scales).all()
         if ef:  # the NaN/Inf rule needs the whole buffer's verdict: select on the device
             torch.where(finite, new_err, self._err, out=self._err)
@@ -217,8 +312,9 @@ class LoCoCompressor:
 
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        sd = {"step": self.step, "numel": self.numel, "bits": self.bits,
-              "block_size": self.block_size, "error_bits": self.error_bits}
+        sd = {"step": self.step, "numel": self.numel, "rows": self.rows, "bits": self.bits,
+              "block_size": self.block_size, "error_bits": self.error_bits,
+              "error_feedback": self._err is not None}
         if self._err is not None:
             sd["error"] = self._err.clone()
         if self._err_scales is not None:
@@ -226,9 +322,15 @@ class LoCoCompressor:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for key in ("numel", "block_size", "error_bits"):
-            if sd.get(key) != getattr(self, key):
-                raise ValueError(f"LoCo state has {key}={sd.get(key)}, this run has {getattr(self, key)}")
+        """Restore the error and step counter; :class:`LoCoStateMismatch` (naming what
+        differs) when ``sd`` was written for another buffer shape or error format."""
+        saved_ef = "error" in sd
+        if saved_ef != (self._err is not None):
+            raise LoCoStateMismatch(f"error feedback was {'on' if saved_ef else 'off'} in the checkpoint "
+                                    f"(--loco-no-error-feedback changed)")
+        for key in ("numel", "rows", "bits", "block_size", "error_bits"):
+            if sd.get(key, 1 if key == "rows" else None) != getattr(self, key):
+                raise LoCoStateMismatch(f"{key}={sd.get(key)} in the checkpoint, {getattr(self, key)} now")
         self.step = int(sd["step"])
         if self._err is not None:
             self._err.copy_(sd["error"])

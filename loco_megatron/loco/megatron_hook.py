@@ -15,7 +15,11 @@ after scaling ``bucket.grad_data`` by ``bucket.gradient_scaling_factor``, and wa
   distributed optimizer reads.
 
 Expert-parallel bucket groups (synchronised over the expert-data-parallel group)
-get their own compressors, exactly like dense ones. ``start_param_sync`` (the
+get their own compressors, exactly like dense ones. A bucket group whose sync group is
+a single rank (DP=1; EP = DP for experts) sends nothing: it keeps megatron's exact path
+and counts 0 bytes. Collectives are issued in program order only (see
+:mod:`.two_hop` for the two-hop schedule), through an injectable
+:class:`~.collectives.CollectiveOps`. ``start_param_sync`` (the
 distributed optimizer's parameter all-gather) is wrapped the same way, for timing only.
 """
 
@@ -26,8 +30,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into
-from loco_megatron.loco.compressor import LoCoCompressor, Workspace
+from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter, decompress_into
+from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch, Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
                                         two_hop_reduce_scatter)
 from loco_megatron.metrics.comm import CommStats
@@ -87,9 +91,12 @@ class GradSyncHook:
     """LoCo (or timing only) in place of megatron-core's per-bucket gradient sync, plus
     timing of the distributed optimizer's parameter all-gather."""
 
-    def __init__(self, ddp_models: list, loco: LoCoConfig, stats: CommStats):
+    def __init__(self, ddp_models: list, loco: LoCoConfig, stats: CommStats, ops: CollectiveOps = TORCH_OPS,
+                 log: Optional[Callable[[str], None]] = None):
         check_megatron_core_version()
         self.loco, self.stats, self.clock = loco, stats, stats.clock
+        self._ops = ops
+        self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
         self.iteration = 0
         """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
         self.compressors: dict[str, LoCoCompressor] = {}
@@ -105,6 +112,7 @@ class GradSyncHook:
         self._node_groups = self._build_node_groups(ddp_models) if loco.enabled else {}
         self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
         self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank
+        self._single: set[int] = set()  # ids of bucket groups whose sync group is one rank
         for m, model in enumerate(ddp_models):
             ddp_config = model.ddp_config
             if loco.enabled and ddp_config.num_distributed_optimizer_instances > 1:
@@ -112,7 +120,11 @@ class GradSyncHook:
             for g, group in enumerate(_bucket_groups(model)):
                 kind = "expert" if group in model.expert_parallel_bucket_groups else "dense"
                 keys = [f"{kind}.chunk{m}.group{g}.bucket{b}" for b in range(len(group.buckets))]
-                if loco.enabled:
+                if self._comm_group(group).size() == 1:
+                    # DP=1, or an expert-data-parallel group of one rank (EP = DP): nothing
+                    # leaves the rank, so megatron's own (exact) path runs and 0 bytes count.
+                    self._single.add(id(group))
+                elif loco.enabled:
                     self._make_compressors(group, keys)
                 group.start_grad_sync = self._make_start_grad_sync(group, keys)
                 if ddp_config.use_distributed_optimizer:
@@ -153,16 +165,18 @@ class GradSyncHook:
         if node_groups is not None:
             return self._make_two_hop_compressors(group, keys, node_groups)
         for key, bucket in zip(keys, group.buckets):
+            # Without the distributed optimizer megatron does not pad buckets to a multiple
+            # of DP: the layout's last row is then shorter (padded inside the compressor).
             layout = ShardLayout(bucket.grad_data.numel(), world, self.loco.loco_bits,
                                  self.loco.loco_block_size)
             self._layouts[key] = layout
-            self.compressors[key] = self._compressor(layout.compressed_numel, self.loco.loco_bits,
-                                                     bucket.grad_data.device)
+            self.compressors[key] = self._compressor(layout, self.loco.loco_bits, bucket.grad_data.device)
 
-    def _compressor(self, numel: int, bits: int, device) -> LoCoCompressor:
+    def _compressor(self, layout: ShardLayout, bits: int, device) -> LoCoCompressor:
         lc = self.loco
-        return LoCoCompressor(numel, bits=bits, beta=lc.loco_beta, block_size=lc.loco_block_size,
-                              error_bits=lc.loco_error_bits, reset_interval=lc.loco_reset_interval,
+        return LoCoCompressor(**layout.compressor_shape(), bits=bits, beta=lc.loco_beta,
+                              block_size=lc.loco_block_size, error_bits=lc.loco_error_bits,
+                              reset_interval=lc.loco_reset_interval,
                               error_feedback=not lc.loco_no_error_feedback, device=device, kernels=self._kernels)
 
     def _make_two_hop_compressors(self, group, keys, ng: NodeGroups) -> None:
@@ -172,10 +186,8 @@ class GradSyncHook:
             self._layouts[key] = layout
             dev = bucket.grad_data.device
             if layout.intra is not None:  # hop 1 compensates its own compression error
-                self.compressors[key + ".intra"] = self._compressor(layout.intra.compressed_numel,
-                                                                    self.loco.loco_intra_node_bits, dev)
-            self.compressors[key + ".inter"] = self._compressor(layout.inter.compressed_numel,
-                                                                self.loco.loco_bits, dev)
+                self.compressors[key + ".intra"] = self._compressor(layout.intra, self.loco.loco_intra_node_bits, dev)
+            self.compressors[key + ".inter"] = self._compressor(layout.inter, self.loco.loco_bits, dev)
 
     @staticmethod
     def _comm_group(group):
@@ -192,6 +204,8 @@ class GradSyncHook:
         def start_grad_sync(force_all_reduce: Optional[bool] = False):
             if group.is_first_batch and group.grad_reduce_handle is not None:
                 return  # megatron's own rule: already dispatched in the first batch
+            if id(group) in self._single:
+                return self._timed_original(group, original, force_all_reduce, single_rank=True)
             if not self._compressing() or force_all_reduce:
                 return self._timed_original(group, original, force_all_reduce)
             return self._loco_start(group, keys)
@@ -223,8 +237,10 @@ class GradSyncHook:
                 self.stats.add_interval("decompress", *w.decompress_marks)
         self.stats.add_bytes(sent, raw, compressed)
 
-    def _timed_original(self, group, original, force_all_reduce):
+    def _timed_original(self, group, original, force_all_reduce, single_rank: bool = False):
         raw = sum(b.grad_data.numel() * b.grad_data.element_size() for b in group.buckets)
+        if single_rank:  # nothing is handed to another rank: 0 bytes, at any dtype
+            raw = 0
         self._split_bytes(group, raw)
         launch = self.clock.mark()
         original(force_all_reduce=force_all_reduce)
@@ -244,7 +260,9 @@ class GradSyncHook:
         comm = self._comm_group(group)
         async_op = ddp_config.overlap_grad_reduce
         works, sent, raw = [], 0, 0
-        self._hop2_order.advance()  # start hop 2 of earlier buckets whose hop 1 is done
+        # The fixed point where earlier buckets' hop 2s are issued (two_hop's docstring):
+        # before this group's hop 1s, on every rank, whatever has completed by now.
+        self._hop2_order.flush()
         for key, bucket in zip(keys, group.buckets):
             # Same scaling megatron applies before its reduce-scatter (1/DP for an average).
             if bucket.gradient_scaling_factor != 1.0:
@@ -260,7 +278,8 @@ class GradSyncHook:
                 bucket.grad_data, lambda flat: compressor.compress(flat, self._workspace),
                 self._layouts[key], comm, async_op=async_op,
                 all_gather=not ddp_config.use_distributed_optimizer,
-                average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress)
+                average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
+                ops=self._ops)
             self.stats.add_interval("compress", start, work.launch_mark)
             self.stats.add_loco(compressor.last_stats)
             self._split_bytes(group, nbytes)
@@ -276,8 +295,11 @@ class GradSyncHook:
                 for marks in w.extra_decompress_marks:
                     self.stats.add_interval("decompress", *marks)
             self.stats.add_hop_bytes(sum(w.bytes_intra for w in two_hop), sum(w.bytes_inter for w in two_hop))
+            # Every byte handed to a collective, the all-gather without the distributed
+            # optimizer included (it moves the reduced shards at the gradient dtype).
+            gathered = sum(w.gather_bytes for w in ws)
             self._record(ws, wait_start, wait_end, True,
-                         sent + sum(w.bytes_intra + w.bytes_inter for w in two_hop), raw)
+                         sent + gathered + sum(w.bytes_intra + w.bytes_inter for w in two_hop), raw)
 
         multi = _MultiWork(works, self.clock, done)
         if async_op:
@@ -302,19 +324,58 @@ class GradSyncHook:
             (lambda flat: intra.compress(flat, self._workspace)) if intra else None,
             compress_inter, async_op=async_op,
             average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
-            gather_group=None if ddp_config.use_distributed_optimizer else comm, sequencer=self._hop2_order)
+            gather_group=None if ddp_config.use_distributed_optimizer else comm, sequencer=self._hop2_order,
+            workspace=self._workspace, ops=self._ops)
         self.stats.add_interval("compress", start, work.launch_mark)
         if intra is not None:
             self.stats.add_loco(intra.last_stats)
         return work
+
+    # -- memory ---------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """LoCo's memory on this rank, in bytes: ``persistent`` (error buffers, kept across
+        steps), ``transient`` (at most, during a step: the shared workspace's scratch and
+        two-hop's hop-1 result for the largest bucket, plus the codes of every bucket in
+        flight, sent and received), and ``params`` (gradient elements compressed)."""
+        persistent = sum(c.error_nbytes() for c in self.compressors.values())
+        scratch = max((c.workspace_nbytes() for c in self.compressors.values()), default=0)
+        hop1 = max((4 * lay.hop1_numel for lay in self._layouts.values() if isinstance(lay, TwoHopLayout)),
+                   default=0)
+        in_flight = 0
+        for lay in self._layouts.values():
+            for part in ((lay.intra, lay.inter) if isinstance(lay, TwoHopLayout) else (lay,)):
+                if part is not None:
+                    in_flight += 2 * part.world * part.row_bytes  # send + receive buffers
+        params = sum(lay.numel for lay in self._layouts.values())
+        return {"persistent": persistent, "transient": scratch + hop1 + in_flight, "params": params}
 
     # -- checkpointing: the error buffers and step counters --------------------------
     def state_dict(self) -> dict:
         return {key: c.state_dict() for key, c in self.compressors.items()}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore every compressor's error and step counter. When the checkpoint's LoCo
+        state does not fit this run (another data-parallel layout, flat vs two-hop,
+        --loco-bits/--loco-block-size/--loco-error-bits, error feedback on/off), the
+        error buffers start from zero - what --loco-reset-interval does anyway - and one
+        line says so: never a silent mismatch, never a crash."""
+        why = None
+        if sd and not self.compressors:
+            self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
+            return
         if set(sd) != set(self.compressors):
-            raise ValueError("LoCo state in the checkpoint does not match this run's buckets "
-                             f"({len(sd)} saved, {len(self.compressors)} here)")
-        for key, c in self.compressors.items():
-            c.load_state_dict(sd[key])
+            only_saved = sorted(set(sd) - set(self.compressors))[:1]
+            only_here = sorted(set(self.compressors) - set(sd))[:1]
+            why = f"its buckets differ (saved only: {only_saved or '-'}, here only: {only_here or '-'})"
+        else:
+            for key, c in self.compressors.items():
+                try:
+                    c.load_state_dict(sd[key])
+                except LoCoStateMismatch as e:
+                    why = f"{key}: {e}"
+                    break
+        if why is not None:
+            for c in self.compressors.values():
+                c.reset()
+            self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
+                      f"starting the error buffers at zero")

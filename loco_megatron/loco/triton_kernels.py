@@ -55,20 +55,35 @@ def _codes(h, s, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _tile(pid, ROWS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Block indices ``[ROWS]`` of program ``pid`` and the ``[ROWS, K, BK]`` element
+    offsets of its tile in block space, in int64: a bucket of 2**31 elements or more
+    (one stage as one bucket with --no-overlap-grad-reduce) would overflow int32."""
+    blocks = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    plane = tl.arange(0, K).to(tl.int64)
+    col = tl.arange(0, BK).to(tl.int64)
+    offs = blocks[:, None, None] * (K * BK) + plane[None, :, None] * BK + col[None, None, :]
+    return blocks, offs
+
+
+@triton.jit
 def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_ptr, new_err_s_ptr,
-                     stats_ptr, numel, num_blocks, beta,
+                     stats_ptr, numel, num_blocks, row_numel, row_blocks, beta,
                      BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, HAS_ERR: tl.constexpr):
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows, offs = _tile(tl.program_id(0), ROWS, K, BK)
     row_ok = rows < num_blocks
     plane = tl.arange(0, K)
     col = tl.arange(0, BK)
-    offs = rows[:, None, None] * B + plane[None, :, None] * BK + col[None, None, :]
-    in_buf = offs < numel  # the last block is zero-padded, as in the reference
-    g = tl.load(g_ptr + offs, mask=in_buf, other=0.0).to(tl.float32)
+    # Block space is row-major over the buffer's rows, each padded to whole blocks: block
+    # i holds elements [c0, c0 + B) of row i // row_blocks, zero past the row's end.
+    in_row = (rows % row_blocks) * B
+    pos = in_row[:, None, None] + offs - rows[:, None, None] * B
+    g_offs = (rows // row_blocks)[:, None, None] * row_numel + pos
+    in_buf = row_ok[:, None, None] & (pos < row_numel) & (g_offs < numel)
+    g = tl.load(g_ptr + g_offs, mask=in_buf, other=0.0).to(tl.float32)
     if HAS_ERR:
         ok3 = row_ok[:, None, None] & (offs >= 0)
         e8 = tl.load(err_ptr + offs, mask=ok3, other=0).to(tl.float32)
@@ -83,7 +98,7 @@ def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_p
     u = (q + (1 << (BITS - 1))).to(tl.int32)
     shift = (plane * BITS)[None, :, None]
     packed = tl.sum(u << shift, axis=1)  # planes occupy disjoint bits: sum == or
-    byte_offs = rows[:, None] * BK + col[None, :]
+    byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
     tl.store(codes_ptr + byte_offs, packed.to(tl.uint8), mask=row_ok[:, None] & (col[None, :] >= 0))
     resid = tl.fma(-q, s[:, None, None], h)  # one rounding, as torch.addcmul (FMA) does
     h_sq = tl.sum(tl.sum(h * h, axis=2), axis=1)
@@ -111,23 +126,22 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks,
     BK: tl.constexpr = B // K
     OFFSET: tl.constexpr = 1 << (BITS - 1)
     MASK: tl.constexpr = (1 << BITS) - 1
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows, offs = _tile(tl.program_id(0), ROWS, K, BK)
     row_ok = rows < shard_blocks
     plane = tl.arange(0, K)
     col = tl.arange(0, BK)
-    byte_offs = rows[:, None] * BK + col[None, :]
+    byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
+    row_bytes64 = row_bytes.to(tl.int64)
     shift = (plane * BITS)[None, :, None]
     acc = tl.zeros((ROWS, K, BK), dtype=tl.float32)
     for r in range(WORLD):  # rank order: the same fp32 additions as the reference
-        packed = tl.load(recv_ptr + r * row_bytes + byte_offs, mask=row_ok[:, None] & (col[None, :] >= 0),
+        packed = tl.load(recv_ptr + r * row_bytes64 + byte_offs, mask=row_ok[:, None] & (col[None, :] >= 0),
                          other=0).to(tl.int32)
         q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
-        s = tl.load(recv_f32_ptr + (r * row_bytes + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
+        s = tl.load(recv_f32_ptr + (r * row_bytes64 + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
         # 0 + x == x exactly, so starting from zeros matches the reference's acc = part_0.
         acc += q.to(tl.float32) * s[:, None, None]
     acc = acc * scale  # exact when scale == 1.0
-    offs = rows[:, None, None] * B + plane[None, :, None] * BK + col[None, None, :]
     if OUT_BF16:
         # fp32 -> bf16 rounding to nearest even on the bits, as torch's copy_ does (and
         # the same in the interpreter, whose own cast truncates); NaN stays a quiet NaN.
@@ -145,8 +159,10 @@ def _rows(t: torch.Tensor) -> int:
 
 
 def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_size: int,
-             new_err, new_err_scales, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the fused compress of flat ``g`` (``numel`` elements, padded to whole blocks).
+             new_err, new_err_scales, stats: torch.Tensor, row_numel: int = None,
+             row_blocks: int = None, num_blocks: int = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused compress of flat ``g`` (``numel`` elements in rows of ``row_numel``,
+    each padded to ``row_blocks`` whole blocks; default: one row).
 
     ``err``/``err_scales``: int8 ``[nb, B]`` and fp32 ``[nb]`` (None without error
     feedback); ``new_err``/``new_err_scales`` receive the updated error; ``stats`` fp32
@@ -154,7 +170,9 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
     ``(codes, scales)`` as :func:`quantize_blockwise` does.
     """
     numel = g.numel()
-    nb = -(-numel // block_size)
+    row_numel = numel if row_numel is None else row_numel
+    row_blocks = -(-row_numel // block_size) if row_blocks is None else row_blocks
+    nb = (-(-numel // row_numel) * row_blocks if numel else 0) if num_blocks is None else num_blocks
     codes = torch.empty(nb * block_size * bits // 8, dtype=torch.uint8, device=g.device)
     scales = torch.empty(nb, dtype=torch.float32, device=g.device)
     has_err = err is not None
@@ -162,19 +180,19 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
     rows = _rows(g)
     _compress_kernel[(triton.cdiv(nb, rows),)](
         g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
-        new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, float(beta),
+        new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, row_numel, row_blocks, float(beta),
         BITS=bits, B=block_size, ROWS=rows, HAS_ERR=has_err)
     return codes, scales
 
 
 def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0) -> None:
     """Write ``scale * sum_r D(row r)`` of ``recv`` (uint8 ``[W, row_bytes]``) into ``out``
-    (this rank's shard, ``layout.shard`` elements, any float dtype)."""
+    (this rank's shard: its first ``out.numel() <= layout.shard`` elements, any float dtype)."""
     assert recv.is_contiguous() and layout.row_bytes % 4 == 0 and layout.code_bytes % 4 == 0
     assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
     bf16 = out.dtype == torch.bfloat16
     rows = _rows(recv)
     _decompress_sum_kernel[(triton.cdiv(layout.shard_blocks, rows),)](
-        recv, recv.view(torch.float32), out.view(torch.uint16) if bf16 else out, layout.shard, layout.shard_blocks, layout.row_bytes,
+        recv, recv.view(torch.float32), out.view(torch.uint16) if bf16 else out, out.numel(), layout.shard_blocks, layout.row_bytes,
         layout.code_bytes, float(scale), WORLD=layout.world, BITS=layout.bits, B=layout.block_size, ROWS=rows,
         OUT_BF16=bf16)

@@ -16,11 +16,27 @@ megatron-core's distributed optimizer reads). The flat reduce-scatter sends
   leaves rank ``(a, b)`` the full sum of shard ``a*R + b``, copied into place.
 
 Only hop 2 crosses nodes: ``(n-1)/n * N/R`` elements at ``--loco-bits``, instead of
-``(W-R)/W * N`` at the gradient dtype. Hop 2 is launched as soon as hop 1 has
-completed, checked whenever another bucket launches, or at the latest when the bucket
-is waited on. Every rank must issue the hop-2 collectives in the same order, while
-hop 1 may finish at different times on different ranks: a :class:`Hop2Sequencer`
-launches them strictly in bucket launch order.
+``(W-R)/W * N`` at the gradient dtype.
+
+**Collective order** (NCCL needs every rank of a communicator to issue its operations in
+the same order, and ranks using the intra- and inter-node communicators must not
+interleave them differently). The order is a pure function of program order, the same
+on every rank, and never depends on whether a collective happens to have finished:
+
+* hop 1 of a bucket is issued when megatron launches the bucket's sync;
+* the hop 2s of all earlier buckets are issued, in the order their hop 1 was issued,
+  at one fixed point: the start of the *next* bucket group's launch (before its hop 1s),
+  or, for the last ones, when megatron waits on their bucket group
+  (:class:`Hop2Sequencer`); issuing hop 2 waits for that bucket's hop 1 first.
+
+So on every rank the sequence is ``hop1(g0) | hop2(g0) hop1(g1) | hop2(g1) hop1(g2) | ...``
+(``g`` = bucket groups in launch order; within a group, buckets in order).
+
+**Memory**: hop 1 reads the buffer in place (its rows go to local rank ``i % R``, no
+transposed copy); hop 1's fp32 result (``N/R`` elements, padding included) is written
+into the shared workspace when hop 2 is issued, compressed straight away and not
+needed afterwards, so the transient cost is one such scratch for the largest bucket,
+not one per bucket in flight. Hop 2 writes the reduced shard straight into the buffer.
 """
 
 from __future__ import annotations
@@ -30,7 +46,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into
+from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter,
+                                            decompress_into, gather_rows)
+from loco_megatron.loco.compressor import Workspace
 from loco_megatron.metrics.comm import WallClock
 
 
@@ -76,23 +94,32 @@ def build_node_groups(groups: list, ranks_per_node: int) -> list[Optional[NodeGr
 
 
 class TwoHopLayout:
-    """Sizes of one bucket's two-hop reduce-scatter (``numel`` divisible by ``n*R``)."""
+    """Sizes of one bucket's two-hop reduce-scatter over ``n`` nodes x ``R`` ranks.
+
+    ``flat``: the buffer as ``W = n*R`` shards (row ``a*R + b`` for rank ``(a, b)``);
+    ``intra``: hop 1, those rows grouped by local rank (``pieces = n``), None for the
+    uncompressed bf16 hop; ``inter``: hop 2 over hop 1's result of ``n`` rows of
+    ``P`` (the padded shard), one row per node.
+    """
 
     def __init__(self, numel: int, nodes: int, per_node: int, intra_bits: int, inter_bits: int,
                  block_size: int):
         self.numel, self.nodes, self.per_node = numel, nodes, per_node
-        self.shard = numel // (nodes * per_node)
-        self.intra = None if intra_bits == 16 else ShardLayout(numel, per_node, intra_bits, block_size)
-        self.inter = ShardLayout(numel // per_node, nodes, inter_bits, block_size)
+        self.flat = ShardLayout(numel, nodes * per_node, inter_bits, block_size)
+        self.shard = self.flat.piece
+        self.intra = None if intra_bits == 16 else ShardLayout(numel, per_node, intra_bits, block_size,
+                                                               pieces=nodes)
+        self.inter = ShardLayout(nodes * self.flat.piece_padded, nodes, inter_bits, block_size)
 
-    def node_major_to_local_major(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[n, R, S]`` -> contiguous ``[R, n, S]`` (a new fp32 tensor)."""
-        return flat.view(self.nodes, self.per_node, self.shard).transpose(0, 1).contiguous().view(-1)
+    @property
+    def hop1_numel(self) -> int:
+        """fp32 elements of hop 1's result (``n`` zero-padded shards)."""
+        return self.nodes * self.flat.piece_padded
 
 
 class Hop2Sequencer:
-    """Launches the hop 2 of two-hop works in the order their hop 1 was launched (the
-    same on every rank), never skipping ahead of one whose hop 1 is still in flight."""
+    """Issues the hop 2 of two-hop works in the order their hop 1 was issued - the same
+    on every rank - at fixed points in program order (see the module docstring)."""
 
     def __init__(self):
         self._queue: list["TwoHopWork"] = []
@@ -100,16 +127,12 @@ class Hop2Sequencer:
     def add(self, work: "TwoHopWork") -> None:
         self._queue.append(work)
 
-    def advance(self, until: Optional["TwoHopWork"] = None) -> None:
-        """Launch ready hop 2s in order (never blocking), or, with ``until``, every hop 2
-        up to and including that work's (waiting for their hop 1 as needed)."""
+    def flush(self, until: Optional["TwoHopWork"] = None) -> None:
+        """Issue every queued hop 2 in order (each after waiting for its hop 1), or only
+        up to and including ``until``'s."""
         while self._queue:
-            head = self._queue[0]
-            must = until is not None and until in self._queue
-            if not head._hop1_done(block=must):
-                return
+            head = self._queue.pop(0)
             head._launch_hop2()
-            self._queue.pop(0)
             if head is until:
                 return
 
@@ -121,115 +144,103 @@ class TwoHopWork:
     :class:`CompressedReduceScatterWork`; ``extra_compress_marks`` holds the (start, end)
     marks of hop 2's compression (it happens after launch) and
     ``extra_decompress_marks`` hop 1's decompression. ``bytes_intra`` and
-    ``bytes_inter``: what this rank sent on each hop to *other* ranks.
+    ``bytes_inter``: what this rank sent on each hop to *other* ranks; ``gather_bytes``
+    what the all-gather (without the distributed optimizer) handed over.
     """
 
-    def __init__(self, hop1, scratch: torch.Tensor, start_hop2: Callable, out: torch.Tensor, clock,
-                 launch_mark, bytes_intra: int, sequencer: Hop2Sequencer, gather: Optional[tuple] = None):
-        self._hop1, self._scratch, self._start_hop2, self._out = hop1, scratch, start_hop2, out
-        self._gather, self._sequencer = gather, sequencer
+    def __init__(self, finish_hop1: Callable, start_hop2: Callable, clock, launch_mark, bytes_intra: int,
+                 sequencer: Hop2Sequencer, gather: Optional[Callable] = None):
+        self._finish_hop1, self._start_hop2, self._gather = finish_hop1, start_hop2, gather
+        self._sequencer = sequencer
         sequencer.add(self)
         self._hop2 = None
         self.clock, self.launch_mark, self.done_mark = clock, launch_mark, None
         self.decompress_marks: Optional[tuple] = None
         self.extra_compress_marks: list[tuple] = []
         self.extra_decompress_marks: list[tuple] = []
-        self.bytes_intra, self.bytes_inter = bytes_intra, 0
-
-    def _hop1_done(self, block: bool) -> bool:
-        if self._hop1 is None:
-            return True
-        if not block and hasattr(self._hop1, "is_completed") and not self._hop1.is_completed():
-            return False
-        if not block and not hasattr(self._hop1, "is_completed"):
-            return False
-        self._hop1.wait()
-        if getattr(self._hop1, "decompress_marks", None) is not None:
-            self.extra_decompress_marks.append(self._hop1.decompress_marks)
-        self._hop1 = None
-        return True
+        self.bytes_intra, self.bytes_inter, self.gather_bytes = bytes_intra, 0, 0
 
     def _launch_hop2(self) -> None:
+        result, marks = self._finish_hop1()
+        if marks is not None:
+            self.extra_decompress_marks.append(marks)
         start = self.clock.mark()
-        self._hop2, self.bytes_inter = self._start_hop2(self._scratch)
+        self._hop2, self.bytes_inter = self._start_hop2(result)
         self.extra_compress_marks.append((start, self._hop2.launch_mark))
 
     def wait(self) -> None:
         if self.done_mark is not None:
             return
         if self._hop2 is None:
-            self._sequencer.advance(until=self)
+            self._sequencer.flush(until=self)
         self._hop2.wait()
         self.decompress_marks = self._hop2.decompress_marks
-        self._out.copy_(self._hop2.result)
         if self._gather is not None:
-            buffer, group = self._gather
-            dist.all_gather_into_tensor(buffer, self._out.clone(), group=group)
+            self.gather_bytes = self._gather()
         self.done_mark = self.clock.mark()
-        self._scratch = None
-
-
-class _Hop1Handle:
-    """hop 1 as a plain bf16 reduce-scatter (``--loco-intra-node-bits 16``)."""
-
-    def __init__(self, work, recv_bf16: torch.Tensor, out: torch.Tensor, scale: float):
-        self._work, self._recv, self._out, self._scale = work, recv_bf16, out, scale
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-        self._out.copy_(self._recv.float() * self._scale)
 
 
 def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: NodeGroups,
                            compress_intra: Optional[Callable], compress_inter: Callable,
                            async_op: bool = True, average: bool = False, clock=None,
                            decompress: Callable = decompress_into,
-                           gather_group=None, sequencer: Optional[Hop2Sequencer] = None
+                           gather_group=None, sequencer: Optional[Hop2Sequencer] = None,
+                           workspace: Optional[Workspace] = None, ops: CollectiveOps = TORCH_OPS
                            ) -> tuple[TwoHopWork, int]:
-    """Launch the two-hop reduce-scatter of flat ``buffer``; this rank's reduced shard
-    lands in ``buffer``'s shard ``a*R + b`` (and, with ``gather_group`` - the whole
+    """Launch hop 1 of the two-hop reduce-scatter of flat ``buffer``; this rank's reduced
+    shard lands in ``buffer``'s shard ``a*R + b`` (and, with ``gather_group`` - the whole
     data-parallel group, without the distributed optimizer - every reduced shard is
     then all-gathered at the buffer's dtype). Returns the handle and the payload bytes
-    of hop 1 (hop 2's are known once it launches: ``handle.bytes_inter``). Works that
-    share a ``sequencer`` launch their hop 2 in the order they were created."""
+    of hop 1 (hop 2's are known once it launches: ``handle.bytes_inter``). Hop 2 is
+    issued by ``sequencer`` (see the module docstring); with ``async_op=False`` both
+    hops are complete on return."""
     clock = clock or WallClock()
+    ws = workspace or Workspace()
     R, n = layout.per_node, layout.nodes
     a, b = dist.get_rank(groups.inter), dist.get_rank(groups.intra)
-    # Transient fp32 copy in local-major order: chunk b = the n shards local rank b owns.
-    scratch = layout.node_major_to_local_major(buffer.float() if buffer.dtype != torch.float32 else buffer)
-    chunk = scratch.view(R, n * layout.shard)[b]
+    P, S = layout.flat.piece_padded, layout.flat.piece
     launch = clock.mark()
-    if layout.intra is None:  # bf16, uncompressed, inside the node
-        send = scratch.to(torch.bfloat16)
-        recv = torch.empty(n * layout.shard, dtype=torch.bfloat16, device=buffer.device)
-        work = dist.reduce_scatter_tensor(recv, send, group=groups.intra, async_op=async_op)
-        hop1 = _Hop1Handle(work, recv, chunk, 1.0 / R if average else 1.0)
+    if layout.intra is None:  # bf16, uncompressed, inside the node: [n, R, S] -> [R, n, S]
+        rows = buffer.view(n, R, S) if layout.flat.divides else layout.flat.padded(buffer)[:, :S].view(n, R, S)
+        send = rows.transpose(0, 1).to(torch.bfloat16).contiguous()
+        recv = torch.empty(n * S, dtype=torch.bfloat16, device=buffer.device)
+        work = ops.reduce_scatter_tensor(recv, send.view(-1), group=groups.intra, async_op=async_op)
         bytes_intra = (R - 1) * recv.numel() * 2
-        if not async_op:
-            hop1.wait()
-            hop1 = None
+        scale = 1.0 / R if average else 1.0
+
+        def finish_hop1():
+            if work is not None:
+                work.wait()
+            result = ws.get("hop1", (n, P), buffer.device)
+            result[:, S:].zero_()
+            torch.mul(recv.view(n, S), scale, out=result[:, :S])
+            return result.view(-1), None
     else:
-        hop1, sent = compressed_reduce_scatter(scratch, compress_intra, layout.intra, groups.intra,
+        hop1, sent = compressed_reduce_scatter(buffer, compress_intra, layout.intra, groups.intra,
                                                async_op=async_op, average=average, clock=clock,
-                                               decompress=decompress)
+                                               decompress=decompress, ops=ops, out=None)
         launch = hop1.launch_mark
         bytes_intra = sent * (R - 1) // R
 
-    def start_hop2(scratch_: torch.Tensor):
-        part = scratch_.view(R, n * layout.shard)[b]
-        work2, sent2 = compressed_reduce_scatter(part, compress_inter, layout.inter, groups.inter,
+        def finish_hop1():
+            # Written when hop 2 is issued and compressed right away: a shared scratch.
+            hop1.set_output(ws.get("hop1", (layout.hop1_numel,), buffer.device))
+            hop1.wait()
+            return hop1.output, hop1.decompress_marks
+
+    s0, s1 = layout.flat.row_range(a * R + b)
+    mine = buffer[s0:s1]
+
+    def start_hop2(result: torch.Tensor):
+        work2, sent2 = compressed_reduce_scatter(result, compress_inter, layout.inter, groups.inter,
                                                  async_op=async_op, average=average, clock=clock,
-                                                 decompress=decompress)
-        work2.result = part.view(n, layout.shard)[a]
+                                                 decompress=decompress, out=mine, ops=ops)
         return work2, sent2 * (n - 1) // n
 
-    out = buffer.view(n * R, layout.shard)[a * R + b]
-    handle = TwoHopWork(hop1, scratch, start_hop2, out, clock, launch, bytes_intra, sequencer or Hop2Sequencer(),
-                        gather=(buffer, gather_group) if gather_group is not None else None)
+    gather = None
+    if gather_group is not None:
+        gather = lambda: gather_rows(buffer, mine, layout.flat, gather_group, ops)  # noqa: E731
+    handle = TwoHopWork(finish_hop1, start_hop2, clock, launch, bytes_intra, sequencer or Hop2Sequencer(), gather)
     if not async_op:
         handle.wait()
     return handle, bytes_intra

@@ -127,6 +127,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     comm_stats = CommStats(clock_for(device))
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     _configure_schedules(chunks, optimizer)
+    if layout.is_logging_rank and hasattr(grad_sync, "memory_report") and config.loco.enabled:
+        print(_loco_memory_line(grad_sync.memory_report()), flush=True)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
     batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size,
@@ -137,8 +139,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
                   "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
                   "model": [config.model.num_layers, config.model.hidden_size, vocab,
-                            config.model.num_experts], "loco_bits": config.loco.loco_bits,
-                  "loco_block_size": config.loco.loco_block_size}
+                            config.model.num_experts]}
     ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key)
     resume = ckpt.find_resume_dir()
     if resume is not None:
@@ -185,6 +186,16 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     finally:
         logger.close()
     return last
+
+
+def _loco_memory_line(mem: dict) -> str:
+    """One start-up line: LoCo's persistent and transient bytes on this rank."""
+    if not mem["params"]:
+        return "LoCo: no data-parallel group of more than one rank here: gradients are synced exactly, uncompressed"
+    per = lambda b: b / mem["params"]  # noqa: E731
+    return (f"LoCo memory on rank 0: error buffers {mem['persistent'] / 2**20:.1f} MiB "
+            f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
+            f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} gradient elements")
 
 
 def _stop_requested(path: str, layout: ParallelLayout, device) -> bool:

@@ -1,0 +1,64 @@
+"""pretrain_gpt.py with LoCo's collectives recorded and randomly delayed, for the
+collective-order test. Each rank writes the sequence of (communicator ranks,
+operation, elements) it issued to ``$LOCO_TEST_RECORD_DIR/rank<R>.json``.
+
+The delays (0-20 ms before each collective is issued) and a work handle whose
+``is_completed()`` answers False at random until waited on (legal: the collective may
+still be in flight) make any timing-dependent launch order show up as different
+sequences on different ranks.
+"""
+
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+import warnings
+
+import torch.distributed as dist
+
+from loco_megatron.cli import main_config
+from loco_megatron.loco.collectives import CollectiveOps
+from loco_megatron.loco.megatron_hook import GradSyncHook
+from loco_megatron.training.trainer import train
+
+
+class _FlakyWork:
+    def __init__(self, work, rng):
+        self._work, self._rng, self._waited = work, rng, False
+
+    def is_completed(self) -> bool:
+        return self._waited or (self._rng.random() < 0.3 and self._work.is_completed())
+
+    def wait(self):
+        time.sleep(self._rng.random() * 0.01)
+        self._work.wait()
+        self._waited = True
+
+
+def recording_ops(log: list, rng: random.Random) -> CollectiveOps:
+    def wrap(name, fn):
+        def op(out, inp, group=None, async_op=False):
+            numel = sum(t.numel() for t in inp) if isinstance(inp, list) else inp.numel()
+            log.append([dist.get_process_group_ranks(group), name, numel])
+            time.sleep(rng.random() * 0.02)
+            work = fn(out, inp, group=group, async_op=async_op)
+            return _FlakyWork(work, rng) if work is not None else None
+        return op
+
+    return CollectiveOps(all_to_all_single=wrap("all_to_all", dist.all_to_all_single),
+                         reduce_scatter_tensor=wrap("reduce_scatter", dist.reduce_scatter_tensor),
+                         all_gather=wrap("all_gather", dist.all_gather),
+                         all_gather_into_tensor=wrap("all_gather", dist.all_gather_into_tensor))
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    config, env = main_config(sys.argv[1:])
+    log: list = []
+    factory = lambda chunks, loco, stats: GradSyncHook(  # noqa: E731
+        chunks, loco, stats, ops=recording_ops(log, random.Random(1000 + env.rank)))
+    train(config, env, grad_sync_factory=factory)
+    out = pathlib.Path(os.environ["LOCO_TEST_RECORD_DIR"]) / f"rank{env.rank}.json"
+    out.write_text(json.dumps(log))
