@@ -93,7 +93,7 @@ def test_overlap_param_gather_matches_and_resumes(cache_dir, tmp_path):
 def test_nan_on_one_rank_skips_step_and_keeps_error(cache_dir, tmp_path):
     """Guards against a NaN gradient updating the weights or entering LoCo's error."""
     ck = tmp_path / "ck"
-    args = TINY + ["--train-iters", "4", "--loco-bits", "4", "--inject-nan", "3:1",
+    args = TINY + ["--train-iters", "4", "--loco-bits", "4", "--inject-nan", "4:1",
                    "--save", str(ck), "--save-interval", "1"]
     _, metrics = torchrun(2, args, cache_dir, tmp_path)
     assert [m for m in metrics if "train/skipped_iters" in m][-1]["train/skipped_iters"] == 1

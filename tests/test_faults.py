@@ -1,0 +1,160 @@
+"""Faults a cluster throws at a run: hangs, preemption, lost `latest`, bad --save, divergence,
+bit rot, worker restarts. Real torchrun processes (gloo, 2 ranks) and real signals."""
+
+import hashlib
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, TINY, read_metrics, torchrun, torchrun_command, train_losses
+
+
+def _start(args, cache, metrics, env_extra=None, launcher_args=()):
+    cmd, env = torchrun_command(2, args, cache, metrics, launcher_args=launcher_args)
+    env.update(env_extra or {})
+    # Own process group: the test signals it as Slurm would signal a job step.
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _run(args, cache, tmp_path, name, env_extra=None, launcher_args=()):
+    proc = _start(args, cache, tmp_path / f"{name}.jsonl", env_extra, launcher_args)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out, read_metrics(tmp_path / f"{name}.jsonl")
+
+
+def _wait_for_iteration(metrics: pathlib.Path, proc, iteration: int) -> None:
+    while not any(m.get("iteration", 0) >= iteration for m in read_metrics(metrics)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+
+
+def _workers(torchrun_pid: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    children = pathlib.Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    out = {}
+    for pid in map(int, children):
+        env = dict(kv.split("=", 1) for kv in
+                   pathlib.Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+        if "RANK" in env:
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def _digests(folder: pathlib.Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "pretrain_gpt.py: error:" in line]
+
+
+def test_hung_rank_fails_the_job_within_the_timeout(cache_dir, tmp_path):
+    """Guards against a stopped rank hanging the whole job for megatron's 30-minute default:
+    the timeout must reach megatron-core's process groups, so rank 0 fails and torchrun ends
+    the job with a non-zero exit long before that."""
+    metrics = tmp_path / "hang.jsonl"
+    proc = _start(TINY + ["--train-iters", "500"], cache_dir, metrics, {"LOCO_DISTRIBUTED_TIMEOUT_S": "5"},
+                  launcher_args=("--shutdown-timeout=5",))
+    try:
+        _wait_for_iteration(metrics, proc, 2)
+        os.kill(_workers(proc.pid)[1], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=240)  # 30 minutes if the timeout is not applied
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+
+
+def test_sigterm_saves_the_current_step_and_resume_is_bit_exact(cache_dir, tmp_path):
+    """Guards against a preemption SIGTERM losing up to --save-interval steps: SIGTERM to the
+    torchrun process group makes every rank stop after the same step, save it and exit 0;
+    the resumed run continues bit-exactly."""
+    args = TINY + ["--train-iters", "16", "--lr-decay-iters", "16", "--loco-bits", "4"]
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "first.jsonl"
+    proc = _start(args + ["--save", str(ck), "--load", str(ck), "--save-interval", "100"], cache_dir, metrics)
+    _wait_for_iteration(metrics, proc, 3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    stopped = max(train_losses(read_metrics(metrics)))
+    assert f"stop requested (SIGTERM received): saving at iteration {stopped}" in out, out[-3000:]
+    assert stopped < 16
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert "exitcode" not in out and "ChildFailedError" not in out  # the workers exited 0
+
+    _, resumed = torchrun(2, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
+    _, full = torchrun(2, args, cache_dir, tmp_path, name="full")
+    a, b = train_losses(full), {**train_losses(read_metrics(metrics)), **train_losses(resumed)}
+    assert sorted(b) == list(range(1, 17))
+    assert a == b
+
+
+def test_load_without_latest_recovers_and_nothing_is_overwritten(cache_dir, tmp_path):
+    """Guards against --load that finds no `latest` file starting from iteration 0 and then
+    overwriting the existing iter_* checkpoints (a lost `latest`, or a mistyped --load);
+    and against a bit-flipped rank file loading silently."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6"]
+    torchrun(2, args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2"], cache_dir, tmp_path,
+             name="first")
+    saved = _digests(ck)
+
+    # A mistyped --load starts fresh: refused before set-up, since it would overwrite ck's checkpoints.
+    rc, out, _ = _run(args + ["--load", str(tmp_path / "typo"), "--save", str(ck)], cache_dir, tmp_path, "typo")
+    assert rc != 0 and _digests(ck) == saved
+    assert "--save:" in _error_lines(out)[0] and "iter_0000004" in _error_lines(out)[0]
+
+    # Bit rot in one rank's file: its checksum no longer matches; refused, nothing written.
+    victim = ck / "iter_0000004" / "rank_00001.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    flipped = _digests(ck)
+    rc, out, _ = _run(args + ["--load", str(ck), "--save", str(ck)], cache_dir, tmp_path, "flip")
+    assert rc != 0 and _digests(ck) == flipped
+    assert any("rank_00001.pt does not match its checksum" in line for line in _error_lines(out)), out[-3000:]
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    # `latest` lost: resume from the newest complete checkpoint, say so, keep the old ones.
+    (ck / "latest_checkpointed_iteration.txt").unlink()
+    proc, resumed = torchrun(2, args + ["--load", str(ck), "--save", str(ck)], cache_dir, tmp_path, name="resumed")
+    assert f"resuming from {ck / 'iter_0000004'}" in proc.stdout and "no latest" in proc.stdout
+    assert sorted(train_losses(resumed)) == [5, 6]
+    now = _digests(ck)
+    assert all(now[k] == v for k, v in saved.items() if k.startswith("iter_"))
+
+
+def test_unwritable_save_fails_before_the_first_step(cache_dir, tmp_path):
+    """Guards against a bad --save target being found only at the first save (or after the
+    whole run) as a traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    rc, out, metrics = _run(TINY + ["--train-iters", "3", "--save", str(blocker / "ck")], cache_dir, tmp_path, "bad")
+    assert rc != 0 and metrics == [] and "loco_megatron/" not in out  # no traceback through our code
+    lines = _error_lines(out)
+    assert lines and all(f"--save: cannot write to {blocker / 'ck'} (not a directory)" in line for line in lines)
+
+
+def test_all_nan_run_aborts_and_keeps_the_last_good_checkpoint(cache_dir, tmp_path):
+    """Guards against a diverged run (every step skipped for NaN) training on to the end,
+    exiting 0, logging 'loss 0.0000' for all-skipped windows, or saving over good state;
+    and against --inject-nan counting iterations differently from the console."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "10", "--save", str(ck), "--save-interval", "2", "--inject-nan", "3-:1",
+                   "--max-skipped-consecutive", "2"]
+    rc, out, metrics = _run(args, cache_dir, tmp_path, "nan")
+    assert rc != 0
+    assert any("--max-skipped-consecutive: 2 consecutive steps skipped" in line for line in _error_lines(out))
+    logged = {m["iteration"]: m for m in metrics if "train/skipped_iters" in m}
+    assert sorted(logged) == [1, 2, 3, 4]
+    assert [("train/lm_loss" in logged[i]) for i in (1, 2, 3, 4)] == [True, True, False, False]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
