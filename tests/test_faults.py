@@ -59,7 +59,7 @@ def test_hung_rank_fails_the_job_within_the_timeout(cache_dir, tmp_path):
     the timeout must reach megatron-core's process groups, so rank 0 fails and torchrun ends
     the job with a non-zero exit long before that."""
     metrics = tmp_path / "hang.jsonl"
-    proc = _start(TINY + ["--train-iters", "500"], cache_dir, metrics, {"LOCO_DISTRIBUTED_TIMEOUT_S": "5"},
+    proc = _start(TINY + ["--train-iters", "500"], cache_dir, metrics, {"LOCO_DISTRIBUTED_TIMEOUT_S": "20"},
                   launcher_args=("--shutdown-timeout=5",))
     try:
         _wait_for_iteration(metrics, proc, 2)
@@ -158,3 +158,65 @@ def test_all_nan_run_aborts_and_keeps_the_last_good_checkpoint(cache_dir, tmp_pa
     assert [("train/lm_loss" in logged[i]) for i in (1, 2, 3, 4)] == [True, True, False, False]
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_compare_runs_keeps_the_latest_value_per_iteration(tmp_path):
+    """Guards against a resumed run's appended jsonl (second config line, iterations logged
+    twice after a crash between saves) giving compare_runs duplicated or stale points."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from compare_runs import load_run
+
+    def rec(it, loss):
+        return {"iteration": it, "train/lm_loss": loss}
+
+    lines = [{"config": {"resumed_from_iteration": 0}}, rec(1, 9.0), rec(2, 8.0), rec(3, 7.5), rec(4, 7.4),
+             {"config": {"resumed_from_iteration": 2}}, rec(3, 7.0)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = load_run(str(path))
+    assert [(r["iteration"], r["train/lm_loss"]) for r in run.train] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+
+
+def test_save_error_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """Guards against a full disk at save time ending in a torch traceback and leaving a
+    partial iter_N.tmp folder behind, or touching the previous checkpoint."""
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.config import ConfigError
+
+    class Counter:
+        def __init__(self):
+            self.n = torch.zeros(3)
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ck = Checkpointer(str(tmp_path / "ck"), None, 0, {"world_size": 1})
+        ck.save(1, {"c": Counter()})
+        before = _digests(tmp_path / "ck")
+
+        def full_disk(obj, path):
+            pathlib.Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(torch, "save", full_disk)
+        with pytest.raises(ConfigError) as e:
+            ck.save(2, {"c": Counter()})
+    finally:
+        dist.destroy_process_group()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--save: writing") and "no space left on device" in msg
+    assert "iter_0000001 is the latest checkpoint" in msg
+    assert _digests(tmp_path / "ck") == before  # no iter_0000002.tmp, iter_1 and latest untouched
