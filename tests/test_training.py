@@ -60,7 +60,7 @@ def test_resume_with_loco_is_bit_exact(cache_dir, tmp_path):
     ck = str(tmp_path / "ck")
     torchrun(2, args + ["--train-iters", "4", "--save", ck], cache_dir, tmp_path, name="first")
     proc, resumed = torchrun(2, args + ["--load", ck], cache_dir, tmp_path, name="resumed")
-    assert "resumed from" in proc.stdout
+    assert "resuming from" in proc.stdout
     a, b = train_losses(full), train_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     assert all(a[it] == b[it] for it in b), (a, b)

@@ -34,23 +34,27 @@ def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer
     from loco_megatron.data.tokenizer import tokenizer_fingerprint
 
     tmp = f"{prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
-    if progress:
-        from tqdm import tqdm
+    try:
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
+        if progress:
+            from tqdm import tqdm
 
-        docs = tqdm(docs, unit="doc")
-    n_tokens = 0
-    for doc in docs:
-        ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
-        builder.add_item(torch.tensor(ids, dtype=torch.int64))
-        builder.end_document()
-        n_tokens += len(ids)
-    builder.finalize(tmp + ".idx")
-    meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
-            "num_tokens": n_tokens}
-    pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
-    for ext in (".bin", ".idx", ".meta.json"):
-        os.replace(tmp + ext, prefix + ext)
+            docs = tqdm(docs, unit="doc")
+        n_tokens = 0
+        for doc in docs:
+            ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
+            builder.add_item(torch.tensor(ids, dtype=torch.int64))
+            builder.end_document()
+            n_tokens += len(ids)
+        builder.finalize(tmp + ".idx")
+        meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
+                "num_tokens": n_tokens, "eod": tokenizer.eod}
+        pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
+        for ext in (".bin", ".idx", ".meta.json"):
+            os.replace(tmp + ext, prefix + ext)
+    finally:  # bad input mid-way (or Ctrl-C): no partial files left behind
+        for ext in (".bin", ".idx", ".meta.json"):
+            pathlib.Path(tmp + ext).unlink(missing_ok=True)
     return n_tokens
 
 
