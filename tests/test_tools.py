@@ -62,3 +62,25 @@ def test_bad_inputs_give_one_line_and_no_partial_files(tmp_path):
                     "--vocab-size", "100000")
     assert rc == 2 and len(lines) == 1 and "Vocabulary size too high" in lines[0], lines
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_larger_tokenizer_is_refused_for_a_dataset_without_meta(tmp_path, cache_dir):
+    """Guards against training on garbage when a dataset made by other tools (no .meta.json
+    fingerprint) is paired with a tokenizer whose vocabulary is larger than the dataset's:
+    every id is in range, but decode + encode does not reproduce them."""
+    import pytest
+
+    from loco_megatron.config import ConfigError
+    from loco_megatron.data.corpus import ensure_default_corpus, stdlib_documents
+    from loco_megatron.data.indexed import check_indexed_dataset, write_indexed_dataset
+    from loco_megatron.data.tokenizer import load_tokenizer, train_sentencepiece
+
+    _, big = ensure_default_corpus(cache_dir, 4096)
+    docs = stdlib_documents()[:20]
+    small = train_sentencepiece(docs, str(tmp_path / "small"), 1000)
+    prefix = str(tmp_path / "ds")
+    write_indexed_dataset(docs, load_tokenizer(small), prefix, small)
+    (tmp_path / "ds.meta.json").unlink()  # as if built by Megatron-LM's preprocess_data.py
+    check_indexed_dataset(prefix, load_tokenizer(small), small)  # its own tokenizer passes
+    with pytest.raises(ConfigError, match="not the tokenizer the dataset was built with"):
+        check_indexed_dataset(prefix, load_tokenizer(big), big)

@@ -91,3 +91,20 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
     if top >= tokenizer.vocab_size:
         raise ConfigError(f"--tokenizer-model: {prefix}.bin has token id {top}, beyond the "
                           f"tokenizer's vocabulary of {tokenizer.vocab_size}")
+    if not meta_path.is_file():  # e.g. made by Megatron-LM's tools: no fingerprint to compare
+        _check_round_trip(ds, tokenizer, prefix)
+
+
+def _check_round_trip(ds, tokenizer, prefix: str, docs: int = 8, tokens: int = 256) -> None:
+    """A tokenizer whose vocabulary is larger than the dataset's passes the id-range check;
+    the dataset's own tokenizer re-encodes its decoded text to the same ids, another one does
+    not. Compare position by position over the first ``docs`` documents (``tokens`` each)."""
+    same = total = 0
+    for i in range(min(docs, len(ds))):
+        ids = [int(t) for t in ds[i][:tokens] if int(t) != tokenizer.eod]
+        again = list(tokenizer.tokenize(tokenizer.detokenize(ids)))
+        same += sum(a == b for a, b in zip(ids, again))
+        total += len(ids)
+    if total and same < total // 2:
+        raise ConfigError(f"--tokenizer-model: decoding {prefix}.bin and encoding it again reproduces only "
+                          f"{same} of {total} sampled token ids: not the tokenizer the dataset was built with")
