@@ -160,8 +160,9 @@ class Checkpointer:
 
     def check_save_target(self, resume: Optional[pathlib.Path]) -> None:
         """Every rank, before any set-up: ``--save`` is writable (probe file created and
-        removed), and no committed checkpoint there is newer than where this run starts
-        (it would be overwritten; e.g. a fresh start from a mistyped --load)."""
+        removed), and, unless the run resumes from that same folder, no committed
+        checkpoint there is newer than where this run starts (it would be overwritten:
+        e.g. a fresh start after a mistyped --load, or another run's folder)."""
         if self.save_root is None:
             return
         probe = self.save_root / f".write_probe.rank{self.rank}.{os.getpid()}"
@@ -171,6 +172,10 @@ class Checkpointer:
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"--save: cannot write to {self.save_root} ({_cause(e, self.save_root)})") from None
+        if resume is not None and resume.parent.resolve() == self.save_root.resolve():
+            # Same run resuming (--load = --save): a newer folder can only be one committed
+            # just before a crash cut the `latest` update; the resume re-creates it bit-exactly.
+            return
         start = self.iteration_of(resume)
         newer = [p.name for it, p in committed_checkpoints(self.save_root) if it > start]
         if newer:

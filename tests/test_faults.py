@@ -66,7 +66,9 @@ def test_hung_rank_fails_the_job_within_the_timeout(cache_dir, tmp_path):
         os.kill(_workers(proc.pid)[1], signal.SIGSTOP)
         out, _ = proc.communicate(timeout=240)  # 30 minutes if the timeout is not applied
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # workers run in their own sessions: kill them too
+            for pid in _workers(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
@@ -255,3 +257,20 @@ def test_save_error_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypat
     assert "\n" not in msg and msg.startswith("--save: writing") and "no space left on device" in msg
     assert "iter_0000001 is the latest checkpoint" in msg
     assert _digests(tmp_path / "ck") == before  # no iter_0000002.tmp, iter_1 and latest untouched
+
+
+def test_save_target_refuses_to_overwrite_another_lineage(tmp_path):
+    """Guards against both ways of getting --save wrong: a fresh start (or a resume from
+    another folder) silently overwriting newer checkpoints, and an auto-resuming job
+    (--load = --save) being refused because a crash cut the `latest` update after the
+    newest folder was committed."""
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.config import ConfigError
+
+    root, other = tmp_path / "ck", tmp_path / "other"
+    for folder in (root / "iter_0000002", root / "iter_0000004", other / "iter_0000002"):
+        folder.mkdir(parents=True)
+    Checkpointer(str(root), str(root), 0, {}).check_save_target(root / "iter_0000002")
+    for load, resume in ((None, None), (str(other), other / "iter_0000002")):
+        with pytest.raises(ConfigError, match="iter_0000004"):
+            Checkpointer(str(root), load, 0, {}).check_save_target(resume)

@@ -188,7 +188,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             reason = stop.agreed(device)
             if reason:
                 if layout.is_logging_rank:
-                    print(f"stop requested ({reason}): saving at iteration {state.iteration}", flush=True)
+                    what = "saving at" if ckpt.save_root else "no --save, nothing saved; stopping at"
+                    print(f"stop requested ({reason}): {what} iteration {state.iteration}", flush=True)
                 break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
