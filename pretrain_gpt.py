@@ -21,13 +21,14 @@ def main() -> int:
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    from loco_megatron.training.health import RunAborted
     from loco_megatron.training.trainer import train  # heavy imports after parsing
 
     try:
         train(config, env)
-    except ConfigError as e:
+    except (ConfigError, RunAborted) as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ConfigError) else 3
     return 0
 
 

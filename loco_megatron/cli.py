@@ -15,6 +15,7 @@ import os
 import pathlib
 import sys
 import textwrap
+import time
 import typing
 from typing import Any, Optional, Sequence
 
@@ -41,6 +42,12 @@ class LaunchEnv:
     init_method: str = "env://"
     """torch.distributed rendezvous: torchrun's env://, or a private TCP port for a
     single process started without torchrun."""
+    distributed_timeout_s: Optional[float] = None
+    """LOCO_DISTRIBUTED_TIMEOUT_S: collective timeout in seconds, overriding
+    --distributed-timeout-minutes (hang drills and tests; not a flag on purpose)."""
+    started_at: float = dataclasses.field(default_factory=time.time)
+    """When this process started (seconds since the epoch): a --stop-file older than this
+    is left over from an earlier job."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -66,6 +73,8 @@ class LaunchEnv:
             cache_home=environ.get("XDG_CACHE_HOME", str(pathlib.Path.home() / ".cache")),
             wandb_offline=offline,
             triton_interpret=environ.get("TRITON_INTERPRET", "") == "1",
+            distributed_timeout_s=float(environ["LOCO_DISTRIBUTED_TIMEOUT_S"])
+            if environ.get("LOCO_DISTRIBUTED_TIMEOUT_S") else None,
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,17 +40,25 @@ class ParallelLayout:
 
 
 def init_distributed(config: Config, platform: Platform, rank: int, world_size: int,
-                     init_method: str = "env://") -> ParallelLayout:
-    """Start torch.distributed and megatron-core's parallel state; seed the RNGs."""
+                     init_method: str = "env://", timeout_s: Optional[float] = None) -> ParallelLayout:
+    """Start torch.distributed and megatron-core's parallel state; seed the RNGs.
+
+    Every process group (the default one and each of megatron's) gets the same timeout,
+    ``--distributed-timeout-minutes`` (``timeout_s`` overrides it, for tests): a collective
+    that waits longer for a hung or stopped rank raises, so the job fails instead of
+    hanging until the allocation ends.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     p = config.parallel
+    minutes = timeout_s / 60.0 if timeout_s else config.train.distributed_timeout_minutes
     if not dist.is_initialized():
         dist.init_process_group(
             backend=platform.backend, rank=rank, world_size=world_size, init_method=init_method,
-            timeout=datetime.timedelta(minutes=config.train.distributed_timeout_minutes))
+            timeout=datetime.timedelta(minutes=minutes))
     ps.initialize_model_parallel(
+        distributed_timeout_minutes=minutes,  # megatron turns it into a timedelta; its default is 30
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,

@@ -46,13 +46,19 @@ def train_losses(metrics: list[dict]) -> dict[int, float]:
     return {m["iteration"]: m["train/lm_loss"] for m in metrics if "train/lm_loss" in m}
 
 
+def torchrun_command(nproc: int, args: list[str], cache: str, metrics: pathlib.Path,
+                     script: str = "pretrain_gpt.py", launcher_args: tuple = ()) -> tuple[list[str], dict]:
+    """(argv, env) of a local torchrun of ``script`` writing ``metrics``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher_args, str(REPO / script), *args, "--data-cache-path", cache, "--metrics-jsonl", str(metrics)]
+    return cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
 def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, script: str = "pretrain_gpt.py",
              timeout: int = 600, name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run ``script`` on ``nproc`` local ranks; returns the process and its metrics."""
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / script), *args, "--data-cache-path", cache, "--metrics-jsonl", str(metrics)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd, env = torchrun_command(nproc, args, cache, metrics, script)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])

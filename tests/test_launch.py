@@ -125,7 +125,7 @@ def test_signal_checkpoints_requeues_and_resumes(cache_dir, tmp_path):
     second = subprocess.run(["bash", "tools/slurm/pretrain_gpt.sbatch"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints'}" in second.stdout and f"at iteration {saved}" in second.stdout
+    assert f"resuming from {run_dir / 'checkpoints'}" in second.stdout and f"at iteration {saved}" in second.stdout
     iters = [m["iteration"] for m in read_metrics(run_dir / "metrics.jsonl") if "train/lm_loss" in m]
     assert iters[-3:] == [saved + 1, saved + 2, saved + 3]
     assert log.read_text().split() == ["requeue", env["SLURM_JOB_ID"]]  # not requeued again

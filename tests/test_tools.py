@@ -32,3 +32,55 @@ def test_train_tokenizer_then_preprocess(tmp_path):
                            str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "bad.jsonl:1" in proc.stderr
     assert not (tmp_path / "ds2.bin").exists()
+
+
+def test_bad_inputs_give_one_line_and_no_partial_files(tmp_path):
+    """Guards against a non-UTF-8 .jsonl (UnicodeDecodeError traceback, *.tmp<pid>.bin left
+    behind), a malformed JSON line or an empty input (sentencepiece RuntimeError traceback;
+    an empty dataset written with exit 0), and a vocabulary the corpus cannot fill."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n" * 5}) for i in range(60)))
+    cases = {"latin.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin.jsonl:2 is not valid UTF-8"),
+             "malformed.jsonl": (b'{"text": "ok"}\n{"text": "x"\n', "malformed.jsonl:2 is not a JSON object"),
+             "empty.jsonl": (b"\n", "empty.jsonl holds no documents")}
+    out = tmp_path / "out"
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and "doc/s" not in line]
+        return proc.returncode, lines
+
+    tok = str(tmp_path / "tok")
+    assert run("tools/train_tokenizer.py", "--input", str(good), "--output-prefix", tok, "--vocab-size", "300")[0] == 0
+    for name, (data, needle) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        for tool in (["tools/train_tokenizer.py", "--vocab-size", "300"],
+                     ["tools/preprocess_data.py", "--tokenizer-model", tok + ".model"]):
+            rc, lines = run(*tool, "--input", str(tmp_path / name), "--output-prefix", str(out / name))
+            assert rc == 2 and len(lines) == 1 and needle in lines[0], (tool, lines)
+    rc, lines = run("tools/train_tokenizer.py", "--input", str(good), "--output-prefix", str(out / "big"),
+                    "--vocab-size", "100000")
+    assert rc == 2 and len(lines) == 1 and "Vocabulary size too high" in lines[0], lines
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_larger_tokenizer_is_refused_for_a_dataset_without_meta(tmp_path, cache_dir):
+    """Guards against training on garbage when a dataset made by other tools (no .meta.json
+    fingerprint) is paired with a tokenizer whose vocabulary is larger than the dataset's:
+    every id is in range, but decode + encode does not reproduce them."""
+    import pytest
+
+    from loco_megatron.config import ConfigError
+    from loco_megatron.data.corpus import ensure_default_corpus, stdlib_documents
+    from loco_megatron.data.indexed import check_indexed_dataset, write_indexed_dataset
+    from loco_megatron.data.tokenizer import load_tokenizer, train_sentencepiece
+
+    _, big = ensure_default_corpus(cache_dir, 4096)
+    docs = stdlib_documents()[:20]
+    small = train_sentencepiece(docs, str(tmp_path / "small"), 1000)
+    prefix = str(tmp_path / "ds")
+    write_indexed_dataset(docs, load_tokenizer(small), prefix, small)
+    (tmp_path / "ds.meta.json").unlink()  # as if built by Megatron-LM's preprocess_data.py
+    check_indexed_dataset(prefix, load_tokenizer(small), small)  # its own tokenizer passes
+    with pytest.raises(ConfigError, match="not the tokenizer the dataset was built with"):
+        check_indexed_dataset(prefix, load_tokenizer(big), big)

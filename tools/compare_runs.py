@@ -42,7 +42,9 @@ def load_run(path: str) -> Run:
         p = files[0]
     if not p.is_file():
         sys.exit(f"error: {path} does not exist")
-    config, train, evals = {}, [], []
+    config: dict = {}
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -51,14 +53,20 @@ def load_run(path: str) -> Run:
         except json.JSONDecodeError:
             sys.exit(f"error: {p}:{n} is not JSON")
         if "config" in rec:
-            config = rec["config"]  # a resumed run appends a new header; the last wins
+            # A resumed run appends a new header (the last wins) saying where it resumed:
+            # records past that point were logged by steps the resume redoes, so drop them.
+            config = rec["config"]
+            start = config.get("resumed_from_iteration", 0)
+            for records in (train, evals):
+                for it in [it for it in records if it > start]:
+                    del records[it]
         elif "train/lm_loss" in rec:
-            train.append(rec)
+            train[rec["iteration"]] = rec  # the latest value per iteration
         elif "eval/lm_loss" in rec:
-            evals.append(rec)
+            evals[rec["iteration"]] = rec
     if not train:
         sys.exit(f"error: {p} has no training metrics (was it written with --metrics-jsonl?)")
-    return Run(str(p), config, train, evals)
+    return Run(str(p), config, [train[i] for i in sorted(train)], [evals[i] for i in sorted(evals)])
 
 
 def describe(config: dict) -> str:

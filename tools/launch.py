@@ -26,6 +26,9 @@ import shlex
 import sys
 
 RDZV_PORT_BASE = 29400
+# torch 2.13: with the rendezvous' TCP store shared with the workers, a group restarted by
+# --max-restarts fails in "Gloo connectFullMesh"; a store per rendezvous round restarts.
+RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -54,7 +57,7 @@ def expand_hostlist(spec: str) -> list[str]:
 
 
 def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides: list[str],
-                 nproc_per_node: int | None = None, python: str = "python") -> list[str]:
+                 nproc_per_node: int | None = None, python: str = "python", max_restarts: int = 0) -> list[str]:
     """The torchrun command for node ``node_rank`` of the allocation described by ``env``."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
@@ -69,7 +72,7 @@ def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides
     ckpt = f"{run_dir}/checkpoints"
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id=loco-{job}",
-            "--max-restarts=0", "pretrain_gpt.py", "--config", config, "--save", ckpt, "--load", ckpt,
+            f"--max-restarts={max_restarts}", "pretrain_gpt.py", "--config", config, "--save", ckpt, "--load", ckpt,
             "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--stop-file", f"{run_dir}/STOP", *overrides]
 
 
@@ -82,6 +85,9 @@ def main() -> None:
     ap.add_argument("--run-dir", required=True, help="checkpoints, metrics and the stop file go here")
     ap.add_argument("--nproc-per-node", type=int, default=None)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="torchrun restarts of the whole worker group after a worker fails; each "
+                         "restart resumes from the latest checkpoint (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
@@ -93,14 +99,17 @@ def main() -> None:
         if args.mode == "render":
             nnodes = int(env.get("SLURM_NNODES") or len(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))))
             for i in range(nnodes):
-                cmd = node_command(i, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python)
-                print(f"# node {i}\n{shlex.join(cmd)}")
+                cmd = node_command(i, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python,
+                               args.max_restarts)
+                print(f"# node {i}\n{RESTART_ENV}=1 {shlex.join(cmd)}")
             return
         node = int(env.get("SLURM_NODEID", "-1"))
-        cmd = node_command(node, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python)
+        cmd = node_command(node, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python,
+                               args.max_restarts)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(args.run_dir, exist_ok=True)
+    os.environ.setdefault(RESTART_ENV, "1")
     sys.stdout.flush()
     os.execvp(cmd[0], cmd)
 

@@ -2,7 +2,11 @@
 # One machine, all its GPUs (or CPU ranks): the common 8-GPU-box case.
 #   tools/launch_single_node.sh configs/gpt_1.3b.yaml --loco-bits 4
 #   NPROC_PER_NODE=4 tools/launch_single_node.sh configs/tiny_moe.yaml --expert-model-parallel-size 2
-# Extra arguments go to pretrain_gpt.py after the config.
+#   MAX_RESTARTS=2 tools/launch_single_node.sh configs/gpt_1.3b.yaml --save ck --load ck --save-interval 500
+# Extra arguments go to pretrain_gpt.py after the config. MAX_RESTARTS (default 0): torchrun
+# restarts the worker group after a worker dies; each restart resumes from --load, so pass
+# --save and --load the same folder. SIGTERM (docker stop, kill): torchrun forwards it, the
+# workers save at the end of the current step (given --save) and exit 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $# -lt 1 || ! -f "$1" ]]; then
@@ -18,4 +22,6 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
         NPROC_PER_NODE=2
     fi
 fi
-exec torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" pretrain_gpt.py --config "$CONFIG" "$@"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarted groups reconnect (torch 2.13, see tools/launch.py)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"  # time to save after SIGTERM
+exec torchrun --max-restarts "${MAX_RESTARTS:-0}" --standalone --nproc-per-node "$NPROC_PER_NODE" pretrain_gpt.py --config "$CONFIG" "$@"

@@ -9,11 +9,14 @@
 import argparse
 import pathlib
 import sys
+import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# megatron-core warns on import that TransformerEngine/Apex are absent; expected here.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from _inputs import iter_documents  # noqa: E402
+from _inputs import InputError, fail, iter_documents  # noqa: E402
 
 from loco_megatron.config import ConfigError  # noqa: E402
 from loco_megatron.data.indexed import write_indexed_dataset  # noqa: E402
@@ -29,11 +32,11 @@ def main() -> None:
     args = ap.parse_args()
     try:
         tok = load_tokenizer(args.tokenizer_model)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    n = write_indexed_dataset(iter_documents(args.input, args.json_key), tok, args.output_prefix,
-                              args.tokenizer_model, progress=True)
+        pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+        n = write_indexed_dataset(iter_documents(args.input, args.json_key), tok, args.output_prefix,
+                                  args.tokenizer_model, progress=True)
+    except (ConfigError, InputError) as e:  # write_indexed_dataset has removed its temporary files
+        fail(str(e))
     print(f"{n} tokens -> {args.output_prefix}.bin/.idx")
 
 

@@ -5,13 +5,14 @@
 """
 
 import argparse
+import os
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _inputs import iter_documents  # noqa: E402
+from _inputs import InputError, fail, iter_documents  # noqa: E402
 
 from loco_megatron.data.tokenizer import train_sentencepiece  # noqa: E402
 
@@ -25,9 +26,31 @@ def main() -> None:
     args = ap.parse_args()
     if args.vocab_size < 260:
         sys.exit("error: --vocab-size must be at least 260 (256 byte-fallback pieces + specials)")
-    pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    model = train_sentencepiece(iter_documents(args.input, args.json_key), args.output_prefix, args.vocab_size)
-    print(model)
+    out = pathlib.Path(args.output_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{out}.tmp{os.getpid()}"
+    errors: list[str] = []
+
+    def documents():
+        # sentencepiece pulls documents from C++: stop cleanly on bad input, report after.
+        try:
+            yield from iter_documents(args.input, args.json_key)
+        except InputError as e:
+            errors.append(str(e))
+
+    try:
+        train_sentencepiece(documents(), tmp, args.vocab_size)
+        if errors:
+            fail(errors[0])
+        for ext in (".vocab", ".model"):  # the .model last: its presence means complete
+            os.replace(tmp + ext, str(out) + ext)
+    except RuntimeError as e:  # sentencepiece: e.g. vocabulary larger than the corpus allows
+        fail(errors[0] if errors else f"sentencepiece could not train on {', '.join(args.input)} "
+             f"({str(e).strip().splitlines()[-1][:160]})")
+    finally:
+        for ext in (".vocab", ".model"):
+            pathlib.Path(tmp + ext).unlink(missing_ok=True)
+    print(str(out) + ".model")
 
 
 if __name__ == "__main__":

@@ -34,23 +34,27 @@ def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer
     from loco_megatron.data.tokenizer import tokenizer_fingerprint
 
     tmp = f"{prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
-    if progress:
-        from tqdm import tqdm
+    try:
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
+        if progress:
+            from tqdm import tqdm
 
-        docs = tqdm(docs, unit="doc")
-    n_tokens = 0
-    for doc in docs:
-        ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
-        builder.add_item(torch.tensor(ids, dtype=torch.int64))
-        builder.end_document()
-        n_tokens += len(ids)
-    builder.finalize(tmp + ".idx")
-    meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
-            "num_tokens": n_tokens}
-    pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
-    for ext in (".bin", ".idx", ".meta.json"):
-        os.replace(tmp + ext, prefix + ext)
+            docs = tqdm(docs, unit="doc")
+        n_tokens = 0
+        for doc in docs:
+            ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
+            builder.add_item(torch.tensor(ids, dtype=torch.int64))
+            builder.end_document()
+            n_tokens += len(ids)
+        builder.finalize(tmp + ".idx")
+        meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
+                "num_tokens": n_tokens, "eod": tokenizer.eod}
+        pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
+        for ext in (".bin", ".idx", ".meta.json"):
+            os.replace(tmp + ext, prefix + ext)
+    finally:  # bad input mid-way (or Ctrl-C): no partial files left behind
+        for ext in (".bin", ".idx", ".meta.json"):
+            pathlib.Path(tmp + ext).unlink(missing_ok=True)
     return n_tokens
 
 
@@ -87,3 +91,20 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
     if top >= tokenizer.vocab_size:
         raise ConfigError(f"--tokenizer-model: {prefix}.bin has token id {top}, beyond the "
                           f"tokenizer's vocabulary of {tokenizer.vocab_size}")
+    if not meta_path.is_file():  # e.g. made by Megatron-LM's tools: no fingerprint to compare
+        _check_round_trip(ds, tokenizer, prefix)
+
+
+def _check_round_trip(ds, tokenizer, prefix: str, docs: int = 8, tokens: int = 256) -> None:
+    """A tokenizer whose vocabulary is larger than the dataset's passes the id-range check;
+    the dataset's own tokenizer re-encodes its decoded text to the same ids, another one does
+    not. Compare position by position over the first ``docs`` documents (``tokens`` each)."""
+    same = total = 0
+    for i in range(min(docs, len(ds))):
+        ids = [int(t) for t in ds[i][:tokens] if int(t) != tokenizer.eod]
+        again = list(tokenizer.tokenize(tokenizer.detokenize(ids)))
+        same += sum(a == b for a, b in zip(ids, again))
+        total += len(ids)
+    if total and same < total // 2:
+        raise ConfigError(f"--tokenizer-model: decoding {prefix}.bin and encoding it again reproduces only "
+                          f"{same} of {total} sampled token ids: not the tokenizer the dataset was built with")

@@ -76,6 +76,8 @@ class MetricsLogger:
                 parts.append(f"ETA {_fmt_eta((total - it) * m['train/step_s'])}")
             if m.get("train/skipped_iters"):
                 parts.append(f"skipped {int(m['train/skipped_iters'])}")
+        elif "train/skipped_iters" in m:
+            parts.append(f"no loss: every step skipped (NaN/Inf) | skipped {int(m['train/skipped_iters'])}")
         if "eval/lm_loss" in m:
             parts += [f"eval loss {m['eval/lm_loss']:.4f}", f"eval ppl {m['eval/ppl']:.2f}"]
         return " | ".join(parts)

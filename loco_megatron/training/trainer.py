@@ -23,6 +23,8 @@ from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
+from loco_megatron.training.health import SkipGuard
+from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
 from loco_megatron.training.step import evaluate, train_step
 
@@ -37,12 +39,14 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     config.data_parallel_size(env.world_size)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
     sources = resolve_data(config, cache_dir)
-    Checkpointer(None, config.checkpoint.load, env.rank, {}).find_resume_dir()
+    precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
+    precheck.check_save_target(precheck.find_resume_dir())  # bad --load/--save: fail before any set-up
 
     platform = detect_platform(env.local_rank)
     config = _resolve_loco_kernels(config, platform, env)
     with platform_context(platform):
-        layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method)
+        layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
+                                  env.distributed_timeout_s)
         try:
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory)
         finally:
@@ -120,6 +124,12 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     d, t = config.data, config.train
     device = platform.device
     vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
+    layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
+                  "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
+                  "model": [config.model.num_layers, config.model.hidden_size, vocab,
+                            config.model.num_experts]}
+    ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key, device)
+    resume = ckpt.find_resume_dir()  # a layout mismatch is refused here, before the model is built
     model = build_model(config, layout, vocab, device)
     chunks = [model]
     optimizer = build_optimizer(config, chunks)
@@ -134,34 +144,33 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size,
                                  layout.dp_rank, layout.dp_size)
     state = TrainerState()
+    guard = SkipGuard(t.max_skipped_consecutive)
     stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
-                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync}
-    layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
-                  "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
-                  "model": [config.model.num_layers, config.model.hidden_size, vocab,
-                            config.model.num_experts]}
-    ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key)
-    resume = ckpt.find_resume_dir()
+                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync, "health": guard}
     if resume is not None:
         ckpt.load(resume, stateful)
+    # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**config.to_flat_dict(), "world_size": layout.world_size,
-                  "data_parallel_size": layout.dp_size, "device": device.type}
+                  "data_parallel_size": layout.dp_size, "device": device.type,
+                  "resumed_from_iteration": state.iteration}
     logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline)
-    if resume is not None and layout.is_logging_rank:
-        print(f"resumed from {resume} at iteration {state.iteration}", flush=True)
+    if layout.is_logging_rank:
+        print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)
 
-    nan_iter, nan_rank = t.nan_injection()
     tokens_per_step = d.global_batch_size * config.model.seq_length
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
               "grad_norm": 0.0, "skipped": 0, "comm": {}, "loco": None}
+    stop = StopRequest(t.stop_file, layout.is_logging_rank, env.started_at)
+    stop.discard_stale_file()
+    stop.install()
     try:
         while state.iteration < t.train_iters:
             grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
             t_step = time.perf_counter()
             result = train_step(chunks, optimizer, scheduler, batches.step(), batches.num_microbatches,
                                 config.model.seq_length, d.micro_batch_size, device,
-                                poison=(state.iteration == nan_iter and layout.rank == nan_rank))
+                                poison=t.nan_poisoned(state.iteration + 1, layout.rank))
             state.iteration += 1
             state.tokens_seen += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
@@ -173,17 +182,21 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             if t.eval_interval and (state.iteration % t.eval_interval == 0
                                     or state.iteration == t.train_iters):
                 last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
+            guard.update(state.iteration, result.skipped)  # RunAborted: leave before saving
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
                 _save(ckpt, state, stateful, chunks, config)
-            if t.stop_file and _stop_requested(t.stop_file, layout, device):
+            reason = stop.agreed(device)
+            if reason:
                 if layout.is_logging_rank:
-                    print(f"stop requested ({t.stop_file}): saving at iteration {state.iteration}", flush=True)
+                    what = "saving at" if ckpt.save_root else "no --save, nothing saved; stopping at"
+                    print(f"stop requested ({reason}): {what} iteration {state.iteration}", flush=True)
                 break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
             _save(ckpt, state, stateful, chunks, config)
     finally:
+        stop.restore()
         logger.close()
     return last
 
@@ -196,14 +209,6 @@ def _loco_memory_line(mem: dict) -> str:
     return (f"LoCo memory on rank 0: error buffers {mem['persistent'] / 2**20:.1f} MiB "
             f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
             f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} gradient elements")
-
-
-def _stop_requested(path: str, layout: ParallelLayout, device) -> bool:
-    """Rank 0 looks for the stop file; every rank gets the same answer (one tiny all-reduce
-    per step), so they all save and leave at the same iteration."""
-    flag = torch.tensor([float(layout.rank == 0 and pathlib.Path(path).exists())], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config) -> None:
@@ -234,8 +239,10 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
     steps = window["steps"]
     counted = max(steps - window["skipped"], 1)
     elapsed = time.perf_counter() - window["t0"]
+    loss = _reduce_for_logging(window["loss"] / counted, layout)  # collective: every window
     metrics = {
-        "train/lm_loss": _reduce_for_logging(window["loss"] / counted, layout),
+        # A window whose every step was skipped has no loss (not 0.0, which reads as converged).
+        **({"train/lm_loss": loss} if steps > window["skipped"] else {}),
         "train/grad_norm": window["grad_norm"],
         "train/lr": optimizer.param_groups[0]["lr"],
         "train/step_s": elapsed / steps,

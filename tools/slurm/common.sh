@@ -28,17 +28,29 @@ export WANDB_DIR="${WANDB_DIR:-$RUN_DIR}"
 
 echo "job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-?} (${SLURM_NNODES:-?} nodes): $CONFIG -> $RUN_DIR"
 
+# In-job restarts (torchrun --max-restarts, MAX_RESTARTS below): torch 2.13's shared
+# rendezvous TCP store makes a restarted worker group fail with "Gloo connectFullMesh
+# failed"; a separate store per rendezvous round restarts cleanly.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Seconds torchrun lets its workers finish (save) after forwarding a SIGTERM, before
+# SIGKILL. Slurm's own KillWait (scancel, preemption; 30 s by default) still bounds it.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+
+STOP_REQUESTED=0
 # shellcheck disable=SC2329  # invoked by the trap below
 on_signal() {
     # Slurm's --signal=B:USR1@N (or a preemption SIGTERM) reaches this batch shell: ask
-    # the training to save a checkpoint and stop; the job is requeued once it has.
+    # the training to save a checkpoint and stop; the job is requeued once it has. (A
+    # SIGTERM also reaches the workers directly, which then save and stop by themselves.)
     echo "signal received: asking training to checkpoint and stop"
+    STOP_REQUESTED=1
     touch "$STOP_FILE"
 }
 trap on_signal USR1 TERM
 
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     python tools/launch.py exec --config "$CONFIG" --run-dir "$RUN_DIR" ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} \
+    --max-restarts "${MAX_RESTARTS:-2}" \
     -- "${OVERRIDES[@]}" &
 SRUN_PID=$!
 rc=0
@@ -47,7 +59,8 @@ while kill -0 "$SRUN_PID" 2>/dev/null; do
     if wait "$SRUN_PID"; then rc=0; else rc=$?; fi
 done
 
-if [[ -e "$STOP_FILE" && $rc -eq 0 ]]; then
+# Training removes the stop file once it has honoured it, so remember the request here.
+if [[ $STOP_REQUESTED -eq 1 && $rc -eq 0 ]]; then
     rm -f "$STOP_FILE"
     echo "checkpoint written; requeueing job ${SLURM_JOB_ID:-?}"
     scontrol requeue "${SLURM_JOB_ID:?}"

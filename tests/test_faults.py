@@ -1,0 +1,276 @@
+"""Faults a cluster throws at a run: hangs, preemption, lost `latest`, bad --save, divergence,
+bit rot, worker restarts. Real torchrun processes (gloo, 2 ranks) and real signals."""
+
+import hashlib
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, TINY, read_metrics, torchrun, torchrun_command, train_losses
+
+
+def _start(args, cache, metrics, env_extra=None, launcher_args=()):
+    cmd, env = torchrun_command(2, args, cache, metrics, launcher_args=launcher_args)
+    env.update(env_extra or {})
+    # Own process group: the test signals it as Slurm would signal a job step.
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _run(args, cache, tmp_path, name, env_extra=None, launcher_args=()):
+    proc = _start(args, cache, tmp_path / f"{name}.jsonl", env_extra, launcher_args)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out, read_metrics(tmp_path / f"{name}.jsonl")
+
+
+def _wait_for_iteration(metrics: pathlib.Path, proc, iteration: int) -> None:
+    while not any(m.get("iteration", 0) >= iteration for m in read_metrics(metrics)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+
+
+def _workers(torchrun_pid: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    children = pathlib.Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    out = {}
+    for pid in map(int, children):
+        env = dict(kv.split("=", 1) for kv in
+                   pathlib.Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+        if "RANK" in env:
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def _digests(folder: pathlib.Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "pretrain_gpt.py: error:" in line]
+
+
+def test_hung_rank_fails_the_job_within_the_timeout(cache_dir, tmp_path):
+    """Guards against a stopped rank hanging the whole job for megatron's 30-minute default:
+    the timeout must reach megatron-core's process groups, so rank 0 fails and torchrun ends
+    the job with a non-zero exit long before that."""
+    metrics = tmp_path / "hang.jsonl"
+    proc = _start(TINY + ["--train-iters", "500"], cache_dir, metrics, {"LOCO_DISTRIBUTED_TIMEOUT_S": "20"},
+                  launcher_args=("--shutdown-timeout=5",))
+    try:
+        _wait_for_iteration(metrics, proc, 2)
+        os.kill(_workers(proc.pid)[1], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=240)  # 30 minutes if the timeout is not applied
+    finally:
+        if proc.poll() is None:  # workers run in their own sessions: kill them too
+            for pid in _workers(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+
+
+RESUME_ARGS = TINY + ["--train-iters", "16", "--lr-decay-iters", "16", "--loco-bits", "4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache_dir, tmp_path_factory) -> dict:
+    """Losses of RESUME_ARGS run start to finish, for the interrupted runs to match."""
+    _, full = torchrun(2, RESUME_ARGS, cache_dir, tmp_path_factory.mktemp("full"), name="full")
+    return train_losses(full)
+
+
+def test_sigterm_saves_the_current_step_and_resume_is_bit_exact(cache_dir, tmp_path, uninterrupted):
+    """Guards against a preemption SIGTERM losing up to --save-interval steps: SIGTERM to the
+    torchrun process group makes every rank stop after the same step, save it and exit 0;
+    the resumed run continues bit-exactly."""
+    args = RESUME_ARGS
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "first.jsonl"
+    proc = _start(args + ["--save", str(ck), "--load", str(ck), "--save-interval", "100"], cache_dir, metrics)
+    _wait_for_iteration(metrics, proc, 3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    stopped = max(train_losses(read_metrics(metrics)))
+    assert f"stop requested (SIGTERM received): saving at iteration {stopped}" in out, out[-3000:]
+    assert stopped < 16
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert "exitcode" not in out and "ChildFailedError" not in out  # the workers exited 0
+
+    _, resumed = torchrun(2, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
+    b = {**train_losses(read_metrics(metrics)), **train_losses(resumed)}
+    assert sorted(b) == list(range(1, 17))
+    assert b == uninterrupted
+
+
+def test_max_restarts_resumes_after_a_killed_worker(cache_dir, tmp_path, uninterrupted):
+    """Guards against in-job restarts that cannot work: torch 2.13's shared rendezvous store
+    made the restarted group fail ("Gloo connectFullMesh failed"); the launcher must restart
+    the group, which resumes from the latest checkpoint and ends with the same losses."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from compare_runs import load_run
+
+    ck, metrics = tmp_path / "ck", tmp_path / "restart.jsonl"
+    env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS="1", OMP_NUM_THREADS="1",
+               TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
+    proc = subprocess.Popen(["bash", "tools/launch_single_node.sh", "configs/tiny_gpt.yaml", *RESUME_ARGS,
+                             "--save", str(ck), "--load", str(ck), "--save-interval", "2",
+                             "--data-cache-path", cache_dir, "--metrics-jsonl", str(metrics)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for_iteration(metrics, proc, 5)
+    os.kill(_workers(proc.pid)[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("resuming from") == 1, out[-3000:]  # the restarted group resumed
+    losses = {r["iteration"]: r["train/lm_loss"] for r in load_run(str(metrics)).train}
+    assert losses == uninterrupted
+
+
+def test_load_without_latest_recovers_and_nothing_is_overwritten(cache_dir, tmp_path):
+    """Guards against --load that finds no `latest` file starting from iteration 0 and then
+    overwriting the existing iter_* checkpoints (a lost `latest`, or a mistyped --load);
+    and against a bit-flipped rank file loading silently."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6"]
+    torchrun(2, args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2"], cache_dir, tmp_path,
+             name="first")
+    saved = _digests(ck)
+
+    # A mistyped --load starts fresh: refused before set-up, since it would overwrite ck's checkpoints.
+    rc, out, _ = _run(args + ["--load", str(tmp_path / "typo"), "--save", str(ck)], cache_dir, tmp_path, "typo")
+    assert rc != 0 and _digests(ck) == saved
+    assert "--save:" in _error_lines(out)[0] and "iter_0000004" in _error_lines(out)[0]
+
+    # Bit rot in one rank's file: its checksum no longer matches; refused, nothing written.
+    victim = ck / "iter_0000004" / "rank_00001.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    flipped = _digests(ck)
+    rc, out, _ = _run(args + ["--load", str(ck), "--save", str(ck)], cache_dir, tmp_path, "flip")
+    assert rc != 0 and _digests(ck) == flipped
+    assert any("rank_00001.pt does not match its checksum" in line for line in _error_lines(out)), out[-3000:]
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    # `latest` lost: resume from the newest complete checkpoint, say so, keep the old ones.
+    (ck / "latest_checkpointed_iteration.txt").unlink()
+    proc, resumed = torchrun(2, args + ["--load", str(ck), "--save", str(ck)], cache_dir, tmp_path, name="resumed")
+    assert f"resuming from {ck / 'iter_0000004'}" in proc.stdout and "no latest" in proc.stdout
+    assert sorted(train_losses(resumed)) == [5, 6]
+    now = _digests(ck)
+    assert all(now[k] == v for k, v in saved.items() if k.startswith("iter_"))
+
+
+def test_unwritable_save_fails_before_the_first_step(cache_dir, tmp_path):
+    """Guards against a bad --save target being found only at the first save (or after the
+    whole run) as a traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    rc, out, metrics = _run(TINY + ["--train-iters", "3", "--save", str(blocker / "ck")], cache_dir, tmp_path, "bad")
+    assert rc != 0 and metrics == [] and "loco_megatron/" not in out  # no traceback through our code
+    lines = _error_lines(out)
+    assert lines and all(f"--save: cannot write to {blocker / 'ck'} (not a directory)" in line for line in lines)
+
+
+def test_all_nan_run_aborts_and_keeps_the_last_good_checkpoint(cache_dir, tmp_path):
+    """Guards against a diverged run (every step skipped for NaN) training on to the end,
+    exiting 0, logging 'loss 0.0000' for all-skipped windows, or saving over good state;
+    and against --inject-nan counting iterations differently from the console."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "10", "--save", str(ck), "--save-interval", "2", "--inject-nan", "3-:1",
+                   "--max-skipped-consecutive", "2"]
+    rc, out, metrics = _run(args, cache_dir, tmp_path, "nan")
+    assert rc != 0
+    assert any("--max-skipped-consecutive: 2 consecutive steps skipped" in line for line in _error_lines(out))
+    logged = {m["iteration"]: m for m in metrics if "train/skipped_iters" in m}
+    assert sorted(logged) == [1, 2, 3, 4]
+    assert [("train/lm_loss" in logged[i]) for i in (1, 2, 3, 4)] == [True, True, False, False]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_compare_runs_keeps_the_latest_value_per_iteration(tmp_path):
+    """Guards against a resumed run's appended jsonl (second config line, iterations logged
+    twice after a crash between saves) giving compare_runs duplicated or stale points."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from compare_runs import load_run
+
+    def rec(it, loss):
+        return {"iteration": it, "train/lm_loss": loss}
+
+    lines = [{"config": {"resumed_from_iteration": 0}}, rec(1, 9.0), rec(2, 8.0), rec(3, 7.5), rec(4, 7.4),
+             {"config": {"resumed_from_iteration": 2}}, rec(3, 7.0)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = load_run(str(path))
+    assert [(r["iteration"], r["train/lm_loss"]) for r in run.train] == [(1, 9.0), (2, 8.0), (3, 7.0)]
+
+
+def test_save_error_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """Guards against a full disk at save time ending in a torch traceback and leaving a
+    partial iter_N.tmp folder behind, or touching the previous checkpoint."""
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.config import ConfigError
+
+    class Counter:
+        def __init__(self):
+            self.n = torch.zeros(3)
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ck = Checkpointer(str(tmp_path / "ck"), None, 0, {"world_size": 1})
+        ck.save(1, {"c": Counter()})
+        before = _digests(tmp_path / "ck")
+
+        def full_disk(obj, path):
+            pathlib.Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(torch, "save", full_disk)
+        with pytest.raises(ConfigError) as e:
+            ck.save(2, {"c": Counter()})
+    finally:
+        dist.destroy_process_group()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--save: writing") and "no space left on device" in msg
+    assert "iter_0000001 is the latest checkpoint" in msg
+    assert _digests(tmp_path / "ck") == before  # no iter_0000002.tmp, iter_1 and latest untouched
+
+
+def test_save_target_refuses_to_overwrite_another_lineage(tmp_path):
+    """Guards against both ways of getting --save wrong: a fresh start (or a resume from
+    another folder) silently overwriting newer checkpoints, and an auto-resuming job
+    (--load = --save) being refused because a crash cut the `latest` update after the
+    newest folder was committed."""
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.config import ConfigError
+
+    root, other = tmp_path / "ck", tmp_path / "other"
+    for folder in (root / "iter_0000002", root / "iter_0000004", other / "iter_0000002"):
+        folder.mkdir(parents=True)
+    Checkpointer(str(root), str(root), 0, {}).check_save_target(root / "iter_0000002")
+    for load, resume in ((None, None), (str(other), other / "iter_0000002")):
+        with pytest.raises(ConfigError, match="iter_0000004"):
+            Checkpointer(str(root), load, 0, {}).check_save_target(resume)
