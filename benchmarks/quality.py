@@ -39,6 +39,8 @@ VARIANTS = {
     "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0"]),
     "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--loco-no-error-feedback"]),
     "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback"]),
+    "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
+    "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
 }
 
 
@@ -68,20 +70,22 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=200, help="training steps (same token budget for all)")
     ap.add_argument("--seeds", default="1234,1235")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=None, help=f"subset of {','.join(VARIANTS)} (default: all)")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, fp32 vs LoCo 4-bit, one seed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 4 steps, one seed (fp32 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
     model = ["--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4", "--log-interval", "10"]
     if args.smoke:
-        args.iters, args.seeds, args.variants = 4, "1234", "fp32,loco4"
+        args.iters, args.seeds = 4, "1234"
+        args.variants = args.variants or "fp32,loco4"
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                  "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1"]
     if args.data_cache_path:
         model += ["--data-cache-path", args.data_cache_path]
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     for v in variants:
         if v not in VARIANTS:
             sys.exit(f"error: --variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
