@@ -131,3 +131,13 @@ def test_gather_gives_identical_agreed_params_on_every_rank(bits, aliased, nan_a
             if (step, rank) != nan_at:  # bounded: one rounding of one step's difference
                 rel = stats[0].sqrt() / stats[1].sqrt()
                 assert 0 < rel < (0.01 if bits == 4 else 0.001), (rank, step, rel)
+
+
+def test_withheld_non_finite_update_fails_loudly():
+    """Guards against a non-finite update being withheld silently (training would go on
+    with main weights that can never be gathered again)."""
+    from loco_megatron.loco.param_hook import NonFiniteParamUpdate, ParamGatherHook
+
+    ParamGatherHook.check_finite(0.0, 7)
+    with pytest.raises(NonFiniteParamUpdate, match="--param-gather-bits: .*iteration 7"):
+        ParamGatherHook.check_finite(2.0, 7)

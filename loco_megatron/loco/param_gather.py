@@ -29,9 +29,10 @@ class ParamGatherWork:
     ``decompress_marks`` / ``done_mark`` are clock marks of what it cost.
     """
 
-    def __init__(self, work, recv: torch.Tensor, layout: DeltaLayout, buffer: torch.Tensor, shard: AgreedShard,
-                 rank: int, clock, compress_marks: tuple):
-        self._work, self._recv, self._layout, self._buffer = work, recv, layout, buffer
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, layout: DeltaLayout, buffer: torch.Tensor,
+                 shard: AgreedShard, rank: int, clock, compress_marks: tuple):
+        # send stays referenced until wait(): an async collective may still read it.
+        self._work, self._send, self._recv, self._layout, self._buffer = work, send, recv, layout, buffer
         self._shard, self._rank, self.clock = shard, rank, clock
         self.compress_marks, self.launch_mark = compress_marks, compress_marks[1]
         self.decompress_marks: Optional[tuple] = None
@@ -58,7 +59,7 @@ class ParamGatherWork:
         self._shard.finish(agreed)
         self.decompress_marks = (start, self.clock.mark())
         self.done_mark = self.decompress_marks[1]
-        self._recv = None
+        self._recv = self._send = None
 
 
 def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout: DeltaLayout, group,
@@ -78,7 +79,8 @@ def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout
     recv = torch.empty(layout.gathered_bytes, dtype=torch.uint8, device=buffer.device)
     launch = clock.mark()
     work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
-    handle = ParamGatherWork(work if async_op else None, recv, layout, buffer, shard, rank, clock, (start, launch))
+    handle = ParamGatherWork(work if async_op else None, send, recv, layout, buffer, shard, rank, clock,
+                             (start, launch))
     if not async_op:
         handle.wait()
     return handle, layout.gathered_bytes
