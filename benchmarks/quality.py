@@ -2,12 +2,15 @@
 """Loss parity of LoCo vs full-precision gradient sync, on the built-in corpus, on CPU.
 
 Every variant trains the same model on the same data with the same token budget and
-the same seeds, on 2 local ranks (gloo); only the gradient sync differs:
+the same seeds, on 2 local ranks (gloo); only the gradient sync (and, for the last
+two, the parameter all-gather) differs:
 
     fp32          megatron's fp32 reduce-scatter (the reference)
     loco4, loco2  LoCo (moving-average error feedback, beta 0.8)
     ef4, ef2      classic error feedback (--loco-beta 0)
     noef4, noef2  plain low-bit quantisation (--loco-no-error-feedback)
+    loco4p8       LoCo 4-bit + 8-bit parameter differences (--param-gather-bits 8)
+    loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
 
 Writes ``quality.md`` (final and best eval loss per variant, mean and spread over
 seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --out.

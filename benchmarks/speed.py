@@ -19,8 +19,10 @@ is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
 ``--grad-reduce-in-bf16``, LoCo compresses the fp32 buffer. A 1-node topology has no
 inter-node link, so it runs once, unshaped. With several ranks per node LoCo runs
 two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
-``loco4flat`` is the flat all-to-all for comparison. Bytes are per rank per step: all
-it sent, and the part sent to other nodes.
+``loco4flat`` is the flat all-to-all for comparison; ``loco4p8`` / ``loco4p4`` add 8-/4-bit
+weight differences in the parameter all-gather (``--param-gather-bits``). Bytes are per
+rank per step: gradient bytes sent, the part sent to other nodes, and the parameter
+all-gather's gathered bytes.
 """
 
 from __future__ import annotations
