@@ -6,7 +6,10 @@ by side, the bytes each rank hands to the collective per step for the fp32 and b
 reduce-scatter and for LoCo 8/4/2-bit (the actual send buffer of
 ``compressed_reduce_scatter``: codes + fp32 scales + shard padding), their ratio to
 bf16, and the compress + decompress-and-sum throughput as a ratio to a torch memory
-copy of the same gradient bytes on this machine.
+copy of the same gradient bytes on this machine. A second table adds the distributed
+optimizer's parameter all-gather (bf16 parameters; ``--param-gather-bits`` 8/4: the
+gathered codes + scales of ``loco/param_gather.py``), so gradients + parameters of
+each variant compare with bf16 reduce-scatter + bf16 all-gather.
 
     python benchmarks/loco_bucket.py                 # 50M elements, W=8
     python benchmarks/loco_bucket.py --smoke         # seconds, for tests
@@ -27,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from loco_megatron.loco import LoCoCompressor  # noqa: E402
 from loco_megatron.loco.compressor import Workspace  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum  # noqa: E402
+from loco_megatron.loco.param_delta import DeltaLayout  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -72,6 +76,18 @@ def main() -> None:
     print(f"{'sync':<22}{'bytes/rank/step':>18}{'vs bf16':>10}")
     for name, b in rows:
         print(f"{name:<22}{b:>18,}{b / bf16:>10.3f}")
+
+    # Gradients + parameters: the all-gather's gathered buffer (W rows of one shard each).
+    sent = dict(rows)
+    both = [("bf16 RS + bf16 all-gather", sent["bf16 reduce-scatter"], n * 2),
+            ("LoCo 4-bit + bf16 all-gather", sent["LoCo 4-bit"], n * 2)]
+    for pbits in (8, 4):
+        both.append((f"LoCo 4-bit + params {pbits}-bit", sent["LoCo 4-bit"],
+                     DeltaLayout(n, w, pbits, args.block_size).gathered_bytes))
+    base = both[0][1] + both[0][2]
+    print(f"\n{'gradients + parameters':<32}{'grad bytes':>14}{'param bytes':>14}{'total':>14}{'vs bf16+bf16':>14}")
+    for name, g, prm in both:
+        print(f"{name:<32}{g:>14,}{prm:>14,}{g + prm:>14,}{(g + prm) / base:>14.3f}")
 
     # Throughput: LoCo 4-bit compress + decompress-and-sum vs copying the same gradient.
     layout = ShardLayout(n, w, 4, args.block_size)

@@ -2,12 +2,15 @@
 """Loss parity of LoCo vs full-precision gradient sync, on the built-in corpus, on CPU.
 
 Every variant trains the same model on the same data with the same token budget and
-the same seeds, on 2 local ranks (gloo); only the gradient sync differs:
+the same seeds, on 2 local ranks (gloo); only the gradient sync (and, for the last
+two, the parameter all-gather) differs:
 
     fp32          megatron's fp32 reduce-scatter (the reference)
     loco4, loco2  LoCo (moving-average error feedback, beta 0.8)
     ef4, ef2      classic error feedback (--loco-beta 0)
     noef4, noef2  plain low-bit quantisation (--loco-no-error-feedback)
+    loco4p8       LoCo 4-bit + 8-bit parameter differences (--param-gather-bits 8)
+    loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
 
 Writes ``quality.md`` (final and best eval loss per variant, mean and spread over
 seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --out.
@@ -39,6 +42,8 @@ VARIANTS = {
     "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0"]),
     "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--loco-no-error-feedback"]),
     "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback"]),
+    "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
+    "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
 }
 
 
@@ -68,20 +73,22 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=200, help="training steps (same token budget for all)")
     ap.add_argument("--seeds", default="1234,1235")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=None, help=f"subset of {','.join(VARIANTS)} (default: all)")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, fp32 vs LoCo 4-bit, one seed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 4 steps, one seed (fp32 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
     model = ["--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4", "--log-interval", "10"]
     if args.smoke:
-        args.iters, args.seeds, args.variants = 4, "1234", "fp32,loco4"
+        args.iters, args.seeds = 4, "1234"
+        args.variants = args.variants or "fp32,loco4"
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                  "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1"]
     if args.data_cache_path:
         model += ["--data-cache-path", args.data_cache_path]
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     for v in variants:
         if v not in VARIANTS:
             sys.exit(f"error: --variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")

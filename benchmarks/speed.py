@@ -19,8 +19,10 @@ is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
 ``--grad-reduce-in-bf16``, LoCo compresses the fp32 buffer. A 1-node topology has no
 inter-node link, so it runs once, unshaped. With several ranks per node LoCo runs
 two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
-``loco4flat`` is the flat all-to-all for comparison. Bytes are per rank per step: all
-it sent, and the part sent to other nodes.
+``loco4flat`` is the flat all-to-all for comparison; ``loco4p8`` / ``loco4p4`` add 8-/4-bit
+weight differences in the parameter all-gather (``--param-gather-bits``). Bytes are per
+rank per step: gradient bytes sent, the part sent to other nodes, and the parameter
+all-gather's gathered bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ VARIANTS = {
     "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
     # Only where a node holds several ranks of a multi-node group (elsewhere it equals loco4):
     "loco4flat": ("LoCo 4-bit, flat (no two-hop)", ["--loco-bits", "4", "--no-loco-hierarchical"]),
+    "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
+    "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
 }
 
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
@@ -107,15 +111,17 @@ def table(groups: dict) -> str:
         base = next((r for r in rows if r["key"] == "bf16"), rows[0])
         out.append(f"\n### {topo} ({'unshaped loopback' if link == 'none' else 'inter-node link ' + link})\n")
         out.append("| gradient sync | median step (s) | tokens/s | comm total / step (ms) | comm exposed / step (ms) "
-                   "| compress / decompress (ms) | bytes sent / rank / step | of which to other nodes "
+                   "| compress / decompress (ms) | grad bytes / rank / step | of which to other nodes "
+                   "| param bytes / rank / step "
                    "| step vs bf16 | comm total vs bf16 | speedup vs bf16 |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             comm_ratio = r["comm_total_s"] / base["comm_total_s"] if base["comm_total_s"] else float("nan")
             out.append(
                 f"| {r['label']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['comm_total_s'] * 1e3:.1f} "
                 f"| {r['comm_exposed_s'] * 1e3:.1f} | {r['compress_s'] * 1e3:.1f} / {r['decompress_s'] * 1e3:.1f} "
                 f"| {r['bytes_per_step']:,.0f} | {r['inter_bytes_per_step']:,.0f} "
+                f"| {r['param_bytes_per_step']:,.0f} "
                 f"| {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
                 f"| {base['step_s'] / r['step_s']:.2f}x |")
     return "\n".join(out) + "\n"
@@ -128,14 +134,16 @@ def main() -> None:
     ap.add_argument("--links", default="none,1gbit", help="comma-separated tc rates, 'none' = unshaped")
     ap.add_argument("--delay", default=None, help="netem delay on shaped links, e.g. 1ms (needs sch_netem)")
     ap.add_argument("--topologies", default="1x2,2x1,2x2", help="comma-separated NODESxRANKS")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default=None, help=f"subset of {','.join(VARIANTS)} (default: all)")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, 2 variants, 2x1 at 1gbit")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 4 steps, 2x1 at 1gbit (bf16 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
     if args.smoke:
-        args.iters, args.links, args.topologies, args.variants = 4, "1gbit", "2x1", "bf16,loco4"
-    variants = [v for v in args.variants.split(",") if v]
+        args.iters, args.links, args.topologies = 4, "1gbit", "2x1"
+        args.variants = args.variants or "bf16,loco4"
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         sys.exit(f"error: --variants: unknown {unknown[0]!r} (choose from {', '.join(VARIANTS)})")

@@ -263,6 +263,10 @@ class LoCoConfig:
     loco_kernels: str = "auto"
     """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
     installed and the shape is supported, else torch), torch (the reference) or triton."""
+    param_gather_bits: int = 0
+    """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
+    dtype), 8 or 4 = block-wise quantised differences against the parameters every rank
+    agrees on (--loco-block-size blocks); needs --use-distributed-optimizer."""
 
     def __post_init__(self):
         _require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
@@ -279,6 +283,8 @@ class LoCoConfig:
                  f"{self.loco_error_bits} is not one of 8, 16, 32")
         _require(self.loco_reset_interval >= 0, "loco_reset_interval", "must be >= 0")
         _require(self.loco_warmup_iters >= 0, "loco_warmup_iters", "must be >= 0")
+        _require(self.param_gather_bits in (0, 4, 8), "param_gather_bits",
+                 f"{self.param_gather_bits} is not one of 0, 8, 4")
 
     @property
     def enabled(self) -> bool:
@@ -351,6 +357,8 @@ class Config:
                      f"{p.expert_model_parallel_size}")
         if p.grad_reduce_in_bf16:
             _require(m.bf16, "grad_reduce_in_bf16", "needs --bf16")
+        if self.loco.param_gather_bits:
+            _require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
         decay = self.optimizer.lr_decay_iters or self.train.train_iters
         _require(self.optimizer.lr_warmup_iters < decay, "lr_warmup_iters",
                  f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay})")

@@ -1,5 +1,6 @@
-"""pretrain_gpt.py with megatron-core's gradient sync left completely untouched (no hook
-installed): the reference for the '--loco-bits 0 is bit-identical' test."""
+"""pretrain_gpt.py with megatron-core's gradient sync and parameter all-gather left
+completely untouched (no hook installed): the reference for the '--loco-bits 0 /
+--param-gather-bits 0 is bit-identical' tests."""
 
 import sys
 import warnings
@@ -11,7 +12,7 @@ from loco_megatron.training.trainer import train
 class _NoHook:
     """Installs nothing; only carries the attributes the trainer sets and saves."""
 
-    def __init__(self, chunks, loco, stats):
+    def __init__(self, *unused):
         self.iteration = 0
 
     def state_dict(self):
@@ -24,4 +25,4 @@ class _NoHook:
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     config, env = main_config(sys.argv[1:])
-    train(config, env, grad_sync_factory=_NoHook)
+    train(config, env, grad_sync_factory=_NoHook, param_sync_factory=_NoHook)

@@ -13,7 +13,9 @@ from conftest import REPO, TINY, torchrun
 
 COMM_KEYS = ["comm/grad_sync_total_s", "comm/grad_sync_exposed_s", "comm/param_gather_s",
              "comm/compress_s", "comm/decompress_s", "comm/grad_bytes_sent",
-             "comm/grad_bytes_uncompressed", "comm/compression_ratio", "comm/compressed_fraction"]
+             "comm/grad_bytes_uncompressed", "comm/compression_ratio", "comm/compressed_fraction",
+             "comm/param_bytes_sent", "comm/param_bytes_uncompressed", "comm/param_compression_ratio",
+             "comm/param_compress_s", "comm/param_decompress_s"]
 TRAIN_KEYS = ["train/lm_loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/step_s",
               "train/skipped_iters", "train/tokens_seen", "mem/peak_bytes"]
 RUN = [*TINY, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6", "--eval-iters", "1"]
@@ -119,8 +121,10 @@ def test_compare_runs_writes_table_and_pngs(runs):
     assert len(lines) == 4
     assert lines[2].startswith("| fp32 reduce-scatter |") and lines[3].startswith("| LoCo 4-bit |")
     assert "| 1.000 |" in lines[2] and "| 1.00x |" in lines[2]
-    loco_ratio = float(lines[3].split("|")[10])
+    loco_ratio = float(lines[3].split("|")[11])
     assert 4.125 / 32 <= loco_ratio <= 4.125 / 32 * 1.05
+    # Parameter bytes next to gradient bytes: megatron's fp32 all-gather moves as much as its reduce-scatter.
+    assert lines[2].split("|")[9] == lines[2].split("|")[10]
     eval_loss = [m for m in runs["loco"] if "eval/lm_loss" in m][-1]["eval/lm_loss"]
     assert f"{eval_loss:.4f}" in lines[3]
     import matplotlib.image

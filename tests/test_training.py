@@ -35,8 +35,9 @@ def test_layouts_train_with_loco4(nproc, extra, cache_dir, tmp_path):
 
 
 def test_loco_bits_0_is_bit_identical_to_plain_megatron(cache_dir, tmp_path):
-    """Guards against the grad-sync hook perturbing megatron's own reduce-scatter."""
-    args = TINY + ["--train-iters", "4", "--loco-bits", "0"]
+    """Guards against the grad-sync hook perturbing megatron's own reduce-scatter, and the
+    parameter-gather hook (--param-gather-bits 0) megatron's own all-gather."""
+    args = TINY + ["--train-iters", "4", "--loco-bits", "0", "--param-gather-bits", "0"]
     _, ours = torchrun(2, args, cache_dir, tmp_path, name="ours")
     _, plain = torchrun(2, args, cache_dir, tmp_path, script="tests/plain_megatron.py", name="plain")
     assert train_losses(ours) == train_losses(plain)

@@ -4,8 +4,8 @@
     python tools/compare_runs.py runs/bf16.jsonl runs/loco4.jsonl --out runs/compare
 
 Writes ``DIR/comparison.md`` (final and best eval loss, tokens/s, mean gradient-sync
-time total and exposed per step, bytes per step, compression ratio, speedup vs the
-first run) and PNG plots: ``loss_vs_tokens.png``, ``loss_vs_time.png``,
+time total and exposed per step, gradient and parameter bytes per step, compression
+ratio, speedup vs the first run) and PNG plots: ``loss_vs_tokens.png``, ``loss_vs_time.png``,
 ``step_time.png`` (stacked: compute / exposed comm / LoCo compress) and
 ``bytes_per_step.png``. Labels come from each run's config ("LoCo 4-bit",
 "bf16 reduce-scatter", ...) unless ``--labels`` gives them.
@@ -70,7 +70,13 @@ def load_run(path: str) -> Run:
 
 
 def describe(config: dict) -> str:
-    """Human label of a run's gradient sync, from its config."""
+    """Human label of a run's gradient sync (and compressed parameter gather), from its config."""
+    label = _describe_grads(config)
+    pbits = config.get("param_gather_bits", 0)
+    return f"{label} + params {pbits}-bit" if pbits else label
+
+
+def _describe_grads(config: dict) -> str:
     bits = config.get("loco_bits", 0)
     if bits:
         if config.get("loco_no_error_feedback"):
@@ -131,23 +137,31 @@ def summarize(run: Run) -> dict:
         "compress_s": _weighted_mean(steady, "comm/compress_s"),
         "decompress_s": _weighted_mean(steady, "comm/decompress_s"),
         "bytes_per_step": _weighted_mean(steady, "comm/grad_bytes_sent"),
+        # Runs logged before parameter bytes were counted show 0.
+        "param_bytes_per_step": _zero_if_nan(_weighted_mean(steady, "comm/param_bytes_sent")),
         "inter_bytes_per_step": _weighted_mean(steady, "comm/grad_bytes_sent_inter"),
         "compression_ratio": _weighted_mean(steady, "comm/compression_ratio"),
         "tokens_seen": run.train[-1]["train/tokens_seen"],
     }
 
 
+def _zero_if_nan(x: float) -> float:
+    return 0.0 if x != x else x
+
+
 def markdown_table(rows: list[dict]) -> str:
     base = rows[0]
     head = ("| run | final eval loss | best eval loss | tokens/s | step (s) | comm total / step (ms) "
-            "| comm exposed / step (ms) | compress / decompress per step (ms) | bytes sent / step | compression ratio "
+            "| comm exposed / step (ms) | compress / decompress per step (ms) | grad bytes / step | param bytes / step "
+            "| compression ratio "
             "| speedup vs first |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['final_eval']:.4f} | {r['best_eval']:.4f} | {r['tokens_per_s']:,.0f} "
             f"| {r['step_s']:.4f} | {r['comm_total_s'] * 1e3:.2f} | {r['comm_exposed_s'] * 1e3:.2f} "
-            f"| {r['compress_s'] * 1e3:.2f} / {r['decompress_s'] * 1e3:.2f} | {r['bytes_per_step']:,.0f} | {r['compression_ratio']:.3f} "
+            f"| {r['compress_s'] * 1e3:.2f} / {r['decompress_s'] * 1e3:.2f} | {r['bytes_per_step']:,.0f} "
+            f"| {r['param_bytes_per_step']:,.0f} | {r['compression_ratio']:.3f} "
             f"| {base['step_s'] / r['step_s']:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -213,8 +227,11 @@ def plot(runs: list[Run], rows: list[dict], out: pathlib.Path) -> list[pathlib.P
     save(fig, "step_time.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(labels, [r["bytes_per_step"] / 1e6 for r in rows])
-    ax.set(ylabel="MB sent per rank per step", title="Gradient bytes per step")
+    grads = [r["bytes_per_step"] / 1e6 for r in rows]
+    ax.bar(labels, grads, label="gradients")
+    ax.bar(labels, [r["param_bytes_per_step"] / 1e6 for r in rows], bottom=grads, label="parameters (all-gather)")
+    ax.set(ylabel="MB per rank per step", title="Data-parallel bytes per step")
+    ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelrotation=20)
     save(fig, "bytes_per_step.png")
     return written

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-KINDS = ("grad_sync_total", "grad_sync_exposed", "compress", "decompress", "param_gather")
+KINDS = ("grad_sync_total", "grad_sync_exposed", "compress", "decompress", "param_gather", "param_compress",
+         "param_decompress")
 
 
 class WallClock:
@@ -51,6 +52,7 @@ class CommStats:
 
     def __init__(self, clock=None):
         self.clock = clock or WallClock()
+        self._param_sums: Optional[torch.Tensor] = None
         self._reset()
 
     def _reset(self) -> None:
@@ -66,6 +68,10 @@ class CommStats:
         self.grad_bytes_sent_inter = 0
         """Two-hop LoCo: bytes this rank sent to ranks on other nodes (hop 2)."""
         self._loco_sums: Optional[torch.Tensor] = None
+        self.param_bytes_sent = 0
+        """Bytes of the parameter all-gathers' gathered buffers (codes + scales, or params)."""
+        self.param_bytes_uncompressed = 0
+        """What the same gathers cost at the parameter dtype."""
 
     def add_interval(self, kind: str, start, end) -> None:
         assert kind in KINDS, kind
@@ -80,6 +86,19 @@ class CommStats:
     def add_hop_bytes(self, intra: int, inter: int) -> None:
         self.grad_bytes_sent_intra += intra
         self.grad_bytes_sent_inter += inter
+
+    def add_param_bytes(self, sent: int, uncompressed: int) -> None:
+        self.param_bytes_sent += sent
+        self.param_bytes_uncompressed += uncompressed
+
+    def add_param_error(self, sums: torch.Tensor) -> None:
+        """float64 ``[3]`` device sums ``(||agreed-main||^2, ||main||^2, non-finite shards)``
+        of one compressed parameter gather (kept across :meth:`take`; see :meth:`take_param_sums`)."""
+        self._param_sums = sums.clone() if self._param_sums is None else self._param_sums + sums
+
+    def take_param_sums(self) -> Optional[torch.Tensor]:
+        sums, self._param_sums = self._param_sums, None
+        return sums
 
     def add_loco(self, sums: torch.Tensor) -> None:
         """fp32 ``[4]`` device sums ``(sum e^2, sum (h-D(q))^2, sum h^2, numel)`` of one bucket."""
@@ -99,6 +118,8 @@ class CommStats:
             "comm/compressed_fraction": self.grad_bytes_compressed_part / raw if raw else 0.0,
             "comm/grad_bytes_sent_intra": float(self.grad_bytes_sent_intra),
             "comm/grad_bytes_sent_inter": float(self.grad_bytes_sent_inter),
+            "comm/param_bytes_sent": float(self.param_bytes_sent),
+            "comm/param_bytes_uncompressed": float(self.param_bytes_uncompressed),
         })
         sums = self._loco_sums
         self._reset()
@@ -112,3 +133,10 @@ def loco_metrics(sums: torch.Tensor) -> dict[str, float]:
     err_sq, resid_sq, h_sq, numel = (float(v) for v in sums.tolist())
     return {"loco/error_rms": (err_sq / numel) ** 0.5 if numel else 0.0,
             "loco/quant_rel_error": (resid_sq / h_sq) ** 0.5 if h_sq else 0.0}
+
+
+def param_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """``loco/param_rel_error`` (``||agreed - main|| / ||main||`` over own shards) from
+    :meth:`CommStats.add_param_error` sums added over gathers and ranks."""
+    err_sq, main_sq, _ = (float(v) for v in sums.tolist())
+    return {"loco/param_rel_error": (err_sq / main_sq) ** 0.5 if main_sq else 0.0}

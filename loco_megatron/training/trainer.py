@@ -18,7 +18,8 @@ from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resol
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
 from loco_megatron.loco.compressor import resolve_kernels
 from loco_megatron.loco.megatron_hook import GradSyncHook
-from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics
+from loco_megatron.loco.param_hook import ParamGatherHook
+from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
 from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
@@ -29,11 +30,14 @@ from loco_megatron.training.state import ModelState, OptimizerState, TrainerStat
 from loco_megatron.training.step import evaluate, train_step
 
 
-def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSyncHook) -> dict:
+def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSyncHook,
+          param_sync_factory: Callable = ParamGatherHook) -> dict:
     """Run the configured pretraining; returns rank 0's last logged metrics.
 
     ``grad_sync_factory(model_chunks, loco_config, comm_stats)`` installs the gradient
-    sync (LoCo or timed megatron); pass another callable to swap it out.
+    sync (LoCo or timed megatron), ``param_sync_factory(model_chunks, optimizer,
+    loco_config, comm_stats)`` the parameter all-gather (--param-gather-bits); pass
+    other callables to swap them out.
     """
     # Everything that can be validated without the process group is, before it exists.
     config.data_parallel_size(env.world_size)
@@ -48,7 +52,8 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
                                   env.distributed_timeout_s)
         try:
-            return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory)
+            return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory,
+                          param_sync_factory)
         finally:
             shutdown_distributed()
 
@@ -93,6 +98,16 @@ def _reduce_for_logging(value: torch.Tensor, layout: ParallelLayout) -> float:
     return value.item()
 
 
+def _param_sums_across_ranks(window: dict, device) -> torch.Tensor:
+    """--param-gather-bits: the window's ``(||agreed-main||^2, ||main||^2, non-finite)``
+    sums over all ranks (every rank joins; zeros where nothing was gathered)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    if window["param"] is not None:
+        sums += window["param"].to(device=device, dtype=torch.float64)
+    dist.all_reduce(sums)
+    return sums
+
+
 def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
     """Per-step means of this rank's comm figures -> mean and max over all ranks; LoCo's
     error sums -> one RMS and one relative error over every rank, bucket and step."""
@@ -109,6 +124,8 @@ def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
     raw = out["comm/grad_bytes_uncompressed"]
     out["comm/compression_ratio"] = out["comm/grad_bytes_sent"] / raw if raw else 1.0
     del out["comm/compression_ratio_max"]
+    raw = out["comm/param_bytes_uncompressed"]
+    out["comm/param_compression_ratio"] = out["comm/param_bytes_sent"] / raw if raw else 1.0
     # Every rank joins the reduction (zeros where nothing was compressed this window).
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     if loco_sums is not None:
@@ -120,7 +137,7 @@ def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
 
 
 def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
-           cache_dir: str, grad_sync_factory: Callable) -> dict:
+           cache_dir: str, grad_sync_factory: Callable, param_sync_factory: Callable) -> dict:
     d, t = config.data, config.train
     device = platform.device
     vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
@@ -135,6 +152,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats(clock_for(device))
+    # Before the grad hook, which then times the (compressed) parameter gather.
+    param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     _configure_schedules(chunks, optimizer)
     if layout.is_logging_rank and hasattr(grad_sync, "memory_report") and config.loco.enabled:
@@ -146,7 +165,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     state = TrainerState()
     guard = SkipGuard(t.max_skipped_consecutive)
     stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
-                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync, "health": guard}
+                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
+                "param_gather": param_sync}
     if resume is not None:
         ckpt.load(resume, stateful)
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
@@ -160,7 +180,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     tokens_per_step = d.global_batch_size * config.model.seq_length
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
-              "grad_norm": 0.0, "skipped": 0, "comm": {}, "loco": None}
+              "grad_norm": 0.0, "skipped": 0, "comm": {}, "loco": None, "param": None}
+    gathers_params = bool(config.loco.param_gather_bits)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, env.started_at)
     stop.discard_stale_file()
     stop.install()
@@ -175,17 +196,18 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             state.tokens_seen += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
             _accumulate(window, result, *comm_stats.take())
+            _accumulate_param(window, comm_stats)
 
             if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
                 last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
-                                   t.train_iters)
+                                   t.train_iters, gathers_params)
             if t.eval_interval and (state.iteration % t.eval_interval == 0
                                     or state.iteration == t.train_iters):
                 last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
             guard.update(state.iteration, result.skipped)  # RunAborted: leave before saving
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
-                _save(ckpt, state, stateful, chunks, config)
+                _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
             reason = stop.agreed(device)
             if reason:
                 if layout.is_logging_rank:
@@ -194,7 +216,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                 break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
-            _save(ckpt, state, stateful, chunks, config)
+            _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
     finally:
         stop.restore()
         logger.close()
@@ -211,12 +233,16 @@ def _loco_memory_line(mem: dict) -> str:
             f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} gradient elements")
 
 
-def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config) -> None:
+def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config,
+          window: dict, comm_stats: CommStats, device) -> None:
     if config.parallel.overlap_param_gather:
         # The all-gather of the updated params is deferred to the next forward; finish it
         # now so the saved model weights are the ones the optimizer just produced.
         for chunk in chunks:
             chunk.start_param_sync(force_sync=True)
+    if config.loco.param_gather_bits:  # never save weights a non-finite update was withheld from
+        _accumulate_param(window, comm_stats)
+        ParamGatherHook.check_finite(_param_sums_across_ranks(window, device)[2].item(), state.iteration)
     ckpt.save(state.iteration, stateful)
 
 
@@ -233,8 +259,14 @@ def _accumulate(window: dict, result, comm: dict, loco_sums) -> None:
         window["loco"] = loco_sums if window["loco"] is None else window["loco"] + loco_sums
 
 
+def _accumulate_param(window: dict, comm_stats: CommStats) -> None:
+    sums = comm_stats.take_param_sums()
+    if sums is not None:  # stays on the device until the log interval
+        window["param"] = sums if window["param"] is None else window["param"] + sums
+
+
 def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
-                tokens_per_step: int, logger: MetricsLogger, total_iters: int) -> dict:
+                tokens_per_step: int, logger: MetricsLogger, total_iters: int, gathers_params: bool) -> dict:
     """Reduce the interval's figures across ranks (only here, not every step) and log."""
     steps = window["steps"]
     counted = max(steps - window["skipped"], 1)
@@ -253,8 +285,14 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
     }
     state.skipped_iters += window["skipped"]
     metrics.update(_comm_across_ranks(window["comm"], window["loco"], steps, device))
+    if gathers_params:
+        sums = _param_sums_across_ranks(window, device)
+        ParamGatherHook.check_finite(sums[2].item(), state.iteration)
+        if sums[1] > 0:
+            metrics.update(param_metrics(sums))
     logger.log(state.iteration, metrics, total_iters)
-    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None)
+    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None,
+                  param=None)
     return metrics
 
 

@@ -1,0 +1,86 @@
+"""Compressed parameter all-gather: one all-gather of quantised weight differences.
+
+In place of the distributed optimizer's ``all_gather_into_tensor(param_data, own
+shard)``: each rank encodes ``d = new_own - agreed_own``
+(:func:`~loco_megatron.loco.param_delta.encode_delta`), one
+``all_gather_into_tensor`` of uint8 rows delivers every shard's codes and scales to
+every rank, and the work handle's ``wait()`` applies ``agreed_j += D(Q(d_j))`` to every
+shard ``j`` of the buffer, the owner's included (so every rank ends with bit-identical
+parameters; see :mod:`~loco_megatron.loco.param_delta` for the invariant).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, add_delta, decode_rows, encode_delta
+from loco_megatron.metrics.comm import WallClock
+
+
+class ParamGatherWork:
+    """Handle of an in-flight compressed parameter all-gather; ``wait()`` completes it.
+
+    After ``wait()``: every ``[S]`` shard of ``buffer`` holds the new agreed values,
+    ``stats`` is a float64 ``[3]`` device tensor ``(||agreed_own - new_own||^2,
+    ||new_own||^2, shards not applied because non-finite)``, and ``compress_marks`` /
+    ``decompress_marks`` / ``done_mark`` are clock marks of what it cost.
+    """
+
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, layout: DeltaLayout, buffer: torch.Tensor,
+                 shard: AgreedShard, rank: int, clock, compress_marks: tuple):
+        # send stays referenced until wait(): an async collective may still read it.
+        self._work, self._send, self._recv, self._layout, self._buffer = work, send, recv, layout, buffer
+        self._shard, self._rank, self.clock = shard, rank, clock
+        self.compress_marks, self.launch_mark = compress_marks, compress_marks[1]
+        self.decompress_marks: Optional[tuple] = None
+        self.done_mark = None
+        self.stats: Optional[torch.Tensor] = None
+
+    def wait(self) -> None:
+        if self.done_mark is not None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        start = self.clock.mark()
+        layout = self._layout
+        deltas, finite = decode_rows(self._recv.view(layout.world, layout.row_bytes), layout)
+        rows = self._buffer.view(layout.world, layout.shard)
+        for j in range(layout.world):
+            if j != self._rank:  # rows[j] holds the agreed shard j (only gathers write it)
+                rows[j].copy_(add_delta(rows[j], deltas[j]))
+        new = rows[self._rank]  # the optimizer's update, at the parameter dtype
+        agreed = add_delta(self._shard.agreed(), deltas[self._rank])
+        err = agreed.double() - new.double()
+        self.stats = torch.stack([err.square().sum(), new.double().square().sum(),
+                                  (~finite).sum().double()])
+        self._shard.finish(agreed)
+        self.decompress_marks = (start, self.clock.mark())
+        self.done_mark = self.decompress_marks[1]
+        self._recv = self._send = None
+
+
+def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout: DeltaLayout, group,
+                                async_op: bool = True, clock=None) -> tuple[ParamGatherWork, int]:
+    """Launch the compressed all-gather of flat ``buffer`` (``[W*S]``, parameter dtype)
+    over ``group``.
+
+    Before: ``buffer``'s own shard holds this rank's updated values, every other shard
+    the agreed values, ``shard.agreed()`` the agreed own shard. Returns the work handle
+    and the bytes of the gathered buffer (``W * row_bytes``; each rank contributes one
+    row). With ``async_op=False`` the handle is already complete.
+    """
+    clock = clock or WallClock()
+    rank = dist.get_rank(group)
+    start = clock.mark()
+    send = encode_delta(buffer.view(layout.world, layout.shard)[rank], shard.agreed(), layout)
+    recv = torch.empty(layout.gathered_bytes, dtype=torch.uint8, device=buffer.device)
+    launch = clock.mark()
+    work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
+    handle = ParamGatherWork(work if async_op else None, send, recv, layout, buffer, shard, rank, clock,
+                             (start, launch))
+    if not async_op:
+        handle.wait()
+    return handle, layout.gathered_bytes

@@ -1,0 +1,183 @@
+"""``--param-gather-bits``: the distributed optimizer's parameter all-gather, hooked.
+
+megatron-core 0.16's ``_ParamAndGradBucketGroup.start_param_sync`` all-gathers each
+bucket's ``param_data`` from the shards the distributed optimizer just wrote (called
+from the optimizer step, or, with ``--overlap-param-gather``, from the forward
+pre-hooks via ``finish_param_sync``, which then waits on ``param_gather_handle``).
+:class:`ParamGatherHook` replaces ``start_param_sync`` *on each bucket-group instance*
+(dense and expert groups alike), with the same contract:
+
+* ``--param-gather-bits 0``: megatron's own method runs unchanged (bit-identical) and
+  its bytes are counted;
+* 4 or 8: one :func:`~loco_megatron.loco.param_gather.compressed_param_all_gather` per
+  bucket of quantised differences against the agreed parameters; the handle megatron
+  waits on applies them, so every rank of the group holds bit-identical parameters.
+
+It also wraps each (dense, expert) distributed optimizer's ``step_with_ready_grads``
+(the update after megatron's found-inf check; skipped steps never reach it) to tell
+the :class:`~loco_megatron.loco.param_delta.AgreedShard` of each of *its* buckets that
+an update is coming (fp32 models: swap the exact main shard in first). Per optimizer
+matters: the dense optimizer's synchronous gather runs over every bucket group of the
+model, before the expert optimizer has stepped. A bucket group with no update since its
+last gather (not stepped yet, a skipped step, a repeated forced sync) sends nothing:
+every rank knows this from program order alone.
+
+Install it *before* :class:`~loco_megatron.loco.megatron_hook.GradSyncHook`, which then
+times this method like megatron's own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from loco_megatron.config import LoCoConfig
+from loco_megatron.loco.megatron_hook import check_megatron_core_version
+from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout
+from loco_megatron.loco.param_gather import compressed_param_all_gather
+from loco_megatron.metrics.comm import CommStats
+
+
+class NonFiniteParamUpdate(RuntimeError):
+    pass
+
+
+class _GroupWork:
+    """What megatron waits on: every bucket's gather of one bucket group."""
+
+    def __init__(self, works: list, stats: CommStats):
+        self._works, self._stats = works, stats
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+            self._stats.add_interval("param_compress", *w.compress_marks)
+            self._stats.add_interval("param_decompress", *w.decompress_marks)
+            self._stats.add_param_error(w.stats)
+        self._works = []
+
+
+class ParamGatherHook:
+    """Compressed (or counted) parameter all-gather for every bucket group of ``ddp_models``;
+    wraps ``optimizer.step``. Checkpointable (the agreed/main spare shards)."""
+
+    def __init__(self, ddp_models: list, optimizer, loco: LoCoConfig, stats: CommStats):
+        check_megatron_core_version()
+        self.bits, self.stats = loco.param_gather_bits, stats
+        self.shards: dict[str, AgreedShard] = {}
+        self._layouts: dict[str, DeltaLayout] = {}
+        self._buckets: dict[str, object] = {}
+        for m, model in enumerate(ddp_models):
+            if not model.ddp_config.use_distributed_optimizer:
+                if self.bits:
+                    raise ValueError("--param-gather-bits needs --use-distributed-optimizer")
+                continue
+            groups = list(model.bucket_groups) + list(model.expert_parallel_bucket_groups)
+            for g, group in enumerate(groups):
+                kind = "expert" if group in model.expert_parallel_bucket_groups else "dense"
+                keys = [f"{kind}.chunk{m}.group{g}.bucket{b}" for b in range(len(group.buckets))]
+                # A group of one rank gathers nothing: megatron's no-op copy stays exact.
+                compressed = bool(self.bits) and group.intra_distributed_optimizer_instance_size > 1
+                if compressed:
+                    self._make_shards(group, keys, loco.loco_block_size)
+                group.start_param_sync = self._make_start_param_sync(group, keys, compressed)
+        if self.shards:
+            self._wrap_steps(optimizer)
+
+    def _make_shards(self, group, keys, block_size: int) -> None:
+        world = group.intra_distributed_optimizer_instance_size
+        rank = group.intra_distributed_optimizer_instance_rank
+        for key, bucket in zip(keys, group.buckets):
+            data = bucket.param_data
+            layout = DeltaLayout(data.numel(), world, self.bits, block_size)
+            # fp32 params: megatron's distributed optimizer steps the model buffer itself
+            # (its main params are views of it); other dtypes get separate fp32 mains.
+            self.shards[key] = AgreedShard(data.view(world, layout.shard)[rank],
+                                           main_aliased=data.dtype == torch.float32)
+            self._layouts[key] = layout
+            self._buckets[key] = bucket
+
+    def _wrap_steps(self, optimizer) -> None:
+        wrapped = set()
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            mine = {id(b) for buffer in getattr(opt, "buffers", []) for b in buffer.buckets}
+            shards = [self.shards[k] for k, b in self._buckets.items() if id(b) in mine]
+            if shards:
+                opt.step_with_ready_grads = self._make_step(opt.step_with_ready_grads, shards)
+                wrapped.update(id(s) for s in shards)
+        if len(wrapped) != len(self.shards):
+            raise ValueError("--param-gather-bits: a gathered bucket belongs to no distributed optimizer")
+
+    @staticmethod
+    def _make_step(original, shards: list):
+        def step_with_ready_grads() -> bool:
+            for shard in shards:
+                shard.begin_step()
+            ok = original()
+            if not ok:
+                for shard in shards:
+                    shard.cancel_step()
+            return ok
+
+        return step_with_ready_grads
+
+    def _make_start_param_sync(self, group, keys, compressed: bool):
+        original = group.start_param_sync  # the bound megatron method
+        raw = sum(b.param_data.numel() * b.param_data.element_size() for b in group.buckets)
+
+        def start_param_sync(force_sync: bool = False):
+            if not compressed:
+                if not (force_sync and group.param_gather_handle is not None):
+                    self.stats.add_param_bytes(raw, raw)  # a new gather is issued
+                return original(force_sync=force_sync)
+            # megatron's own contract (param_and_grad_buffer.start_param_sync)
+            if force_sync:
+                if group.param_gather_handle is not None:
+                    group.param_gather_handle.wait()
+                    group.param_gather_handle = None
+                    return
+            else:
+                assert group.param_gather_handle is None
+            if self.shards[keys[0]].pending:
+                self._launch(group, keys, raw, async_op=group.ddp_config.overlap_param_gather and not force_sync)
+            group.param_gather_dispatched = True
+
+        return start_param_sync
+
+    def _launch(self, group, keys: list, raw: int, async_op: bool) -> None:
+        comm = group.intra_distributed_optimizer_instance_group
+        works, sent = [], 0
+        for bucket, key in zip(group.buckets, keys):
+            work, nbytes = compressed_param_all_gather(bucket.param_data, self.shards[key], self._layouts[key], comm,
+                                                       async_op=async_op, clock=self.stats.clock)
+            works.append(work)
+            sent += nbytes
+        self.stats.add_param_bytes(sent, raw)
+        handle = _GroupWork(works, self.stats)
+        if async_op:
+            group.param_gather_handle = handle
+        else:
+            handle.wait()
+            group.param_gather_handle = None
+
+    @staticmethod
+    def check_finite(nonfinite: float, iteration: int) -> None:
+        """Fail loudly once a non-finite update was withheld from the agreed params."""
+        if nonfinite > 0:
+            raise NonFiniteParamUpdate(
+                f"--param-gather-bits: a non-finite parameter update (the optimizer's main weights are "
+                f"NaN/Inf) was withheld from the model weights before iteration {iteration}; stopping")
+
+    # -- checkpointing: the spare shard of every bucket ---------------------------------
+    def state_dict(self) -> dict:
+        return {key: s.state_dict() for key, s in self.shards.items()}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """An empty ``sd`` (written with --param-gather-bits 0): agreed = loaded params."""
+        sd = sd or {}
+        if sd and set(sd) != set(self.shards) and self.shards:
+            raise ValueError("param-gather state in the checkpoint does not match this run's buckets "
+                             f"({len(sd)} saved, {len(self.shards)} here)")
+        for key, shard in self.shards.items():
+            shard.load_state_dict(sd.get(key))

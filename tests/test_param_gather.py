@@ -1,0 +1,143 @@
+"""Weight-difference parameter all-gather: the pure maths in one process, the collective
+on 3 real gloo ranks against plain torch collectives."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, add_delta, decode_rows, encode_delta
+from loco_megatron.loco.param_gather import compressed_param_all_gather
+from loco_megatron.loco.quantize import dequantize_blockwise, quantize_blockwise
+
+WORLD, SHARD = 3, 700  # shards not a multiple of the block: padding is exercised
+
+
+def _new(step: int, j: int, agreed: torch.Tensor, nan_at: tuple) -> torch.Tensor:
+    """Rank j's updated shard at ``step`` (every rank can compute every rank's)."""
+    g = torch.Generator().manual_seed(1000 * step + j)
+    out = agreed + 1e-2 * torch.randn(agreed.shape, generator=g)
+    if (step, j) == nan_at:
+        out[5] = float("nan")
+    return out
+
+
+def test_roundtrip_is_the_blockwise_quantiser_of_the_difference():
+    """Guards against a wire format that does not decode to LoCo's quantiser of d = new -
+    agreed (scales at the wrong offset, padding applied to the wrong side)."""
+    layout = DeltaLayout(WORLD * SHARD, WORLD, 4, 256)
+    agreed, new = torch.randn(SHARD), torch.randn(SHARD)
+    rows = torch.stack([encode_delta(new, agreed, layout)] * WORLD)
+    assert rows.shape[1] == layout.row_bytes == 3 * 256 // 2 + 3 * 4
+    deltas, finite = decode_rows(rows, layout)
+    codes, scales = quantize_blockwise(new - agreed, 4, 256)
+    assert torch.equal(deltas[1], dequantize_blockwise(codes, scales, 4, 256, SHARD)) and finite.all()
+    # Error is one rounding of the difference: at most half a step of each block's scale.
+    assert ((add_delta(agreed, deltas[0]) - new).abs().max() <= scales.max() * 0.5 + 1e-6)
+
+
+def test_aliased_shard_swaps_main_in_for_the_step_and_back_on_skip():
+    """Guards against the optimizer stepping the agreed weights instead of the exact fp32
+    main weights (fp32 models, where main params are the model buffer), and against a
+    skipped step leaving main weights where the model expects agreed ones."""
+    own = torch.tensor([1.0, 2.0])
+    s = AgreedShard(own, main_aliased=True)
+    s.spare.copy_(torch.tensor([1.5, 2.5]))  # exact main differs from agreed
+    s.begin_step()
+    assert own.tolist() == [1.5, 2.5] and s.agreed().tolist() == [1.0, 2.0]
+    s.cancel_step()
+    assert own.tolist() == [1.0, 2.0] and s.spare.tolist() == [1.5, 2.5] and not s.pending
+    s.begin_step()
+    own += 1  # the optimizer step
+    s.finish(torch.tensor([2.4, 3.4]))
+    assert own.tolist() == pytest.approx([2.4, 3.4]) and s.spare.tolist() == [2.5, 3.5]
+    restored = AgreedShard(own.clone(), main_aliased=True)
+    restored.load_state_dict(s.state_dict())
+    assert torch.equal(restored.spare, s.spare)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, port, bits, aliased, nan_at, queue, collected):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        layout = DeltaLayout(WORLD * SHARD, WORLD, bits, 256)
+        buffer = torch.randn(WORLD * SHARD, generator=torch.Generator().manual_seed(7))  # same on all ranks
+        rows = buffer.view(WORLD, SHARD)
+        shard = AgreedShard(rows[rank], main_aliased=aliased)
+        expected = rows.clone()  # agreed params, computed from every rank's update locally
+        results = []
+        for step in range(3):
+            shard.begin_step()
+            rows[rank].copy_(_new(step, rank, shard.agreed(), nan_at))  # the "optimizer step"
+            news = [_new(step, j, expected[j], nan_at) for j in range(WORLD)]
+            work, nbytes = compressed_param_all_gather(buffer, shard, layout, None, async_op=True)
+            work.wait()
+            for j in range(WORLD):
+                d = news[j] - expected[j]
+                if torch.isfinite(d).all():
+                    codes, scales = quantize_blockwise(d, bits, 256)
+                    expected[j] = expected[j] + dequantize_blockwise(codes, scales, bits, 256, SHARD)
+            everyone = [torch.empty_like(buffer) for _ in range(WORLD)]
+            dist.all_gather(everyone, buffer.clone())  # plain torch collective
+            results.append((buffer.clone(), expected.reshape(-1).clone(), everyone, work.stats.clone(),
+                            shard.spare.clone(), news[rank], nbytes))
+        queue.put((rank, results))
+        collected.wait(timeout=120)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bits,aliased,nan_at", [(4, True, (1, 1)), (8, False, (-1, -1))],
+                         ids=["4bit-aliased-nan", "8bit"])
+def test_gather_gives_identical_agreed_params_on_every_rank(bits, aliased, nan_at):
+    """Guards against ranks drifting apart (the owner applying its exact update instead of
+    the quantised one), against quantisation error accumulating across steps (d not taken
+    against the agreed params), and against a NaN update reaching the agreed params."""
+    ctx = mp.get_context("spawn")
+    queue, collected = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, bits, aliased, nan_at, queue, collected))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        out = dict(queue.get(timeout=240) for _ in range(WORLD))
+    finally:
+        collected.set()
+        for p in procs:
+            p.join(timeout=60)
+    layout = DeltaLayout(WORLD * SHARD, WORLD, bits, 256)
+    for rank, results in out.items():
+        for step, (buf, expected, everyone, stats, spare, new_own, nbytes) in enumerate(results):
+            assert torch.equal(buf, expected), (rank, step)
+            assert all(torch.equal(e, buf) for e in everyone), (rank, step)
+            assert torch.isfinite(buf).all()
+            assert nbytes == layout.gathered_bytes
+            assert stats[2].item() == (1 if step == nan_at[0] else 0)
+            if aliased:  # the exact update is kept for the optimizer
+                torch.testing.assert_close(spare, new_own, rtol=0, atol=0, equal_nan=True)
+            else:
+                assert torch.equal(spare, buf.view(WORLD, SHARD)[rank])
+            if (step, rank) != nan_at:  # bounded: one rounding of one step's difference
+                rel = stats[0].sqrt() / stats[1].sqrt()
+                assert 0 < rel < (0.01 if bits == 4 else 0.001), (rank, step, rel)
+
+
+def test_withheld_non_finite_update_fails_loudly():
+    """Guards against a non-finite update being withheld silently (training would go on
+    with main weights that can never be gathered again)."""
+    from loco_megatron.loco.param_hook import NonFiniteParamUpdate, ParamGatherHook
+
+    ParamGatherHook.check_finite(0.0, 7)
+    with pytest.raises(NonFiniteParamUpdate, match="--param-gather-bits: .*iteration 7"):
+        ParamGatherHook.check_finite(2.0, 7)
