@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from loco_megatron.cli import main_config
-from loco_megatron.loco.megatron_hook import GradSyncHook
+from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.training.trainer import train
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from loco_megatron.cli import main_config
 from loco_megatron.loco.collectives import CollectiveOps
-from loco_megatron.loco.megatron_hook import GradSyncHook
+from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.training.trainer import train
 
 

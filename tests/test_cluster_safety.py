@@ -158,3 +158,14 @@ def test_ragged_layout_rows_and_packing():
     got = [lay.unpack_row(send[j])[1] for j in range(4)]
     want = torch.tensor([2.0, 4.0, 5.0, 0.0]) / 7  # fp32 max|row| / qmax, per destination
     assert torch.equal(torch.stack([s[0] for s in got]), want)
+
+
+def test_hooks_refuse_megatron_core_outside_the_supported_range():
+    """Guards against silently patching the private internals of a megatron-core release the
+    hooks were not written for (both hooks run this check before touching anything)."""
+    from loco_megatron.loco.hooks import UnsupportedMegatronCore, check_megatron_core_version
+
+    check_megatron_core_version("0.16.1")
+    for version in ("0.15.3", "0.17.0", "1.0.0rc1"):
+        with pytest.raises(UnsupportedMegatronCore, match=version):
+            check_megatron_core_version(version)

@@ -136,7 +136,7 @@ def test_gather_gives_identical_agreed_params_on_every_rank(bits, aliased, nan_a
 def test_withheld_non_finite_update_fails_loudly():
     """Guards against a non-finite update being withheld silently (training would go on
     with main weights that can never be gathered again)."""
-    from loco_megatron.loco.param_hook import NonFiniteParamUpdate, ParamGatherHook
+    from loco_megatron.loco.hooks.param_sync import NonFiniteParamUpdate, ParamGatherHook
 
     ParamGatherHook.check_finite(0.0, 7)
     with pytest.raises(NonFiniteParamUpdate, match="--param-gather-bits: .*iteration 7"):

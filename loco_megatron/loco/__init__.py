@@ -2,7 +2,7 @@
 
 Public API: :func:`quantize_blockwise`, :func:`dequantize_blockwise`,
 :class:`LoCoCompressor`. The collectives live in :mod:`.collectives`, the megatron
-wiring in :mod:`.megatron_hook`.
+wiring in :mod:`.hooks`.
 """
 
 from loco_megatron.loco.compressor import LoCoCompressor

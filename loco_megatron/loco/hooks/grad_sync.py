@@ -1,4 +1,4 @@
-"""The one module that touches megatron-core's private internals.
+"""The gradient hook: LoCo inside megatron-core's DDP bucket groups.
 
 megatron-core's DDP launches each gradient bucket group's collective from
 ``_ParamAndGradBucketGroup.start_grad_sync`` (called by the backward hook of the last
@@ -34,27 +34,8 @@ from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout
 from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch, Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
                                         two_hop_reduce_scatter)
+from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.metrics.comm import CommStats
-
-SUPPORTED_MCORE = ((0, 16, 0), (0, 17, 0))
-"""megatron-core versions [low, high) whose bucket-group internals this hook matches."""
-
-
-class UnsupportedMegatronCore(RuntimeError):
-    pass
-
-
-def check_megatron_core_version(version: Optional[str] = None) -> None:
-    """Fail loudly unless the installed megatron-core is in :data:`SUPPORTED_MCORE`."""
-    if version is None:
-        from megatron.core.package_info import __version__ as version
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
-    low, high = SUPPORTED_MCORE
-    if not low <= parts < high:
-        raise UnsupportedMegatronCore(
-            f"loco-megatron's gradient-bucket hook supports megatron-core "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; found {version}")
-
 
 def _bucket_groups(ddp_model) -> list:
     return list(ddp_model.bucket_groups) + list(ddp_model.expert_parallel_bucket_groups)

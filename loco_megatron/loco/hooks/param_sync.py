@@ -22,7 +22,7 @@ model, before the expert optimizer has stepped. A bucket group with no update si
 last gather (not stepped yet, a skipped step, a repeated forced sync) sends nothing:
 every rank knows this from program order alone.
 
-Install it *before* :class:`~loco_megatron.loco.megatron_hook.GradSyncHook`, which then
+Install it *before* :class:`~loco_megatron.loco.hooks.grad_sync.GradSyncHook`, which then
 times this method like megatron's own.
 """
 
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.loco.megatron_hook import check_megatron_core_version
+from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout
 from loco_megatron.loco.param_gather import compressed_param_all_gather
 from loco_megatron.metrics.comm import CommStats

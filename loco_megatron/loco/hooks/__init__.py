@@ -1,0 +1,16 @@
+"""The only code that touches megatron-core's private internals (its DDP bucket groups
+and the distributed optimizer's step), for the versions in :mod:`.version`:
+
+* :mod:`.grad_sync`: :class:`GradSyncHook`, LoCo in place of each bucket group's
+  gradient reduce-scatter (and timing of megatron's own when LoCo is off);
+* :mod:`.param_sync`: :class:`ParamGatherHook`, ``--param-gather-bits`` in place of
+  each bucket group's parameter all-gather;
+* :mod:`.version`: the supported megatron-core range, checked loudly by both.
+"""
+
+from loco_megatron.loco.hooks.grad_sync import GradSyncHook
+from loco_megatron.loco.hooks.param_sync import ParamGatherHook
+from loco_megatron.loco.hooks.version import SUPPORTED_MCORE, UnsupportedMegatronCore, check_megatron_core_version
+
+__all__ = ["GradSyncHook", "ParamGatherHook", "check_megatron_core_version", "SUPPORTED_MCORE",
+           "UnsupportedMegatronCore"]
