@@ -65,7 +65,7 @@ def test_overlap_matches_sync_resumes_and_switches_bits(cache_dir, tmp_path):
     over = args + ["--overlap-param-gather"]
     _, first = torchrun(2, over + ["--train-iters", "3", "--save", ck], cache_dir, tmp_path, name="first")
     proc, resumed = torchrun(2, over + ["--load", ck], cache_dir, tmp_path, name="resumed")
-    assert "resumed from" in proc.stdout
+    assert "resuming from" in proc.stdout
     a, b = train_losses(sync), {**train_losses(first), **train_losses(resumed)}
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     assert all(a[it] == b[it] for it in a), (a, b)
