@@ -12,7 +12,7 @@ Flags follow Megatron-LM's names; ``--help`` lists them. A ``--config`` YAML fil
 import sys
 import warnings
 
-from loco_megatron.cli import main_config
+from loco_megatron.cli import main_config, report_error
 from loco_megatron.config import ConfigError
 
 
@@ -26,7 +26,7 @@ def main() -> int:
     try:
         train(config, env)
     except ConfigError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        report_error(e, env.rank)
         return 2
     return 0
 
