@@ -178,7 +178,8 @@ class ParallelConfig:
 @dataclasses.dataclass
 class DataConfig:
     data_path: Optional[str] = None
-    """Prefix of a Megatron indexed dataset (PREFIX.bin/PREFIX.idx). None = the built-in corpus."""
+    """Megatron indexed dataset(s) (PREFIX.bin/PREFIX.idx): 'PREFIX', 'P1 P2' (weighted by
+    size) or 'W1 P1 W2 P2' (a blend drawn in proportion to the weights). None = the built-in corpus."""
     tokenizer_model: Optional[str] = None
     """sentencepiece .model file (required with --data-path)."""
     split: str = "98,2,0"
@@ -191,6 +192,11 @@ class DataConfig:
     """Where built-in corpus and dataset index caches go (None = ~/.cache/loco_megatron)."""
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained for the built-in corpus."""
+    train_data_path: Optional[str] = None
+    """Training data only (Megatron's form: PREFIX, 'P1 P2' or 'W1 P1 W2 P2'); with
+    --valid-data-path, replaces --data-path and --split."""
+    valid_data_path: Optional[str] = None
+    """Validation data (same form), with --train-data-path."""
 
     def __post_init__(self):
         _require(self.micro_batch_size > 0, "micro_batch_size", "must be positive")
@@ -201,6 +207,11 @@ class DataConfig:
                  f"'{self.split}' is not three comma-separated non-negative weights")
         if self.data_path is not None:
             _require(self.tokenizer_model is not None, "tokenizer_model", "is required with --data-path")
+        if self.train_data_path is not None or self.valid_data_path is not None:
+            _require(self.train_data_path is not None and self.valid_data_path is not None, "train_data_path",
+                     "and --valid-data-path go together")
+            _require(self.data_path is None, "data_path", "give either it or --train-data-path/--valid-data-path")
+            _require(self.tokenizer_model is not None, "tokenizer_model", "is required with --train-data-path")
 
 
 @dataclasses.dataclass
