@@ -11,10 +11,13 @@ N processes tokenise while this one reads and writes, in input order.
 """
 
 import argparse
+import functools
 import multiprocessing
 import pathlib
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -26,16 +29,22 @@ from loco_megatron.data.indexed import write_token_documents  # noqa: E402
 from loco_megatron.data.tokenizer import load_tokenizer  # noqa: E402
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer(model: str):
+    """One tokenizer per process (the pool re-sends the encoder with every chunk of work)."""
+    return load_tokenizer(model)
+
+
 class _Encoder:
-    """Tokenises one document (EOD appended); one tokenizer per worker process."""
+    """Tokenises one document (EOD appended)."""
 
     def __init__(self, model: str):
-        self.model, self.tok = model, None
+        self.model = model
 
-    def __call__(self, doc: str) -> list:
-        if self.tok is None:
-            self.tok = load_tokenizer(self.model)
-        return list(self.tok.tokenize(doc)) + [self.tok.eod]
+    def __call__(self, doc: str):
+        tok = _tokenizer(self.model)
+        # an int32 array pickles back to the writer far cheaper than a list of ints
+        return np.asarray(list(tok.tokenize(doc)) + [tok.eod], dtype=np.int32)
 
 
 def main() -> None:

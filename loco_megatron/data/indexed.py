@@ -29,9 +29,9 @@ def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer
     return write_token_documents(ids, tokenizer.vocab_size, prefix, tokenizer_model, progress)
 
 
-def write_token_documents(documents: Iterable[list], vocab_size: int, prefix: str, tokenizer_model: str,
+def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, tokenizer_model: str,
                           progress: bool = False) -> int:
-    """Write already tokenised documents (lists of ids, EOD included) to ``prefix``.bin/.idx.
+    """Write already tokenised documents (lists or arrays of ids, EOD included) to ``prefix``.bin/.idx.
 
     Files are written under temporary names and renamed at the end, so an interrupted
     run never leaves a dataset that looks complete. Returns the number of tokens.
@@ -49,7 +49,7 @@ def write_token_documents(documents: Iterable[list], vocab_size: int, prefix: st
         documents = tqdm(documents, unit="doc")
     n_tokens = 0
     for ids in documents:
-        builder.add_item(torch.tensor(ids, dtype=torch.int64))
+        builder.add_item(torch.as_tensor(np.asarray(ids, dtype=np.int64)))
         builder.end_document()
         n_tokens += len(ids)
     builder.finalize(tmp + ".idx")
