@@ -76,6 +76,7 @@ def measure(model_args: list, extra: list, iters: int, cache: str) -> tuple[floa
 
 def measured_table(models: dict, settings: dict, iters: int, cache: str) -> str:
     rows = ["| model | setting | peak memory per rank (MiB) | vs none | step (s) |", "|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
     for name, margs in models.items():
         base = None
         for setting, extra in settings.items():
