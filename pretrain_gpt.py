@@ -12,7 +12,7 @@ Flags follow Megatron-LM's names; ``--help`` lists them. A ``--config`` YAML fil
 import sys
 import warnings
 
-from loco_megatron.cli import main_config
+from loco_megatron.cli import main_config, report_error
 from loco_megatron.config import ConfigError
 
 
@@ -26,9 +26,12 @@ def main() -> int:
 
     try:
         train(config, env)
-    except (ConfigError, RunAborted) as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+    except ConfigError as e:
+        report_error(e, env.rank)
+        return 2
+    except RunAborted as e:  # e.g. too many consecutive skipped steps: every rank agreed
+        report_error(e, env.rank)
+        return 3
     return 0
 
 

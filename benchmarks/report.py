@@ -204,6 +204,7 @@ def main() -> None:
         "`bash benchmarks/gpu_check.sh` runs the kernel tests on CUDA and the throughput study",
         "(1M-256M elements, ratio to a device-to-device copy, speedup over torch).",
         "",
+        *optional_sections(res),
         "## What the numbers mean",
         "",
         "- LoCo compresses the gradient reduce-scatter only. With the distributed optimizer the",
@@ -231,6 +232,22 @@ def main() -> None:
     ]
     out.write_text("\n".join(doc))
     print(out)
+
+
+def optional_sections(res: pathlib.Path) -> list[str]:
+    """Sections 4-5 when their outputs exist: RESULTS/memory.txt (``benchmarks/memory.py``)
+    and RESULTS/preprocess.txt (``benchmarks/preprocess.py``)."""
+    out = []
+    if (res / "memory.txt").is_file():
+        out += ["## 4. Memory per rank and layouts (`benchmarks/memory.py`)", "",
+                "Analytic table: what the configs' layouts are chosen from (model and formulas in the",
+                "script's docstring). Measured table: peak RSS per rank on CPU (it includes the",
+                "Python process and megatron-core), so recomputation shows on the larger model.", "",
+                (res / "memory.txt").read_text().strip(), ""]
+    if (res / "preprocess.txt").is_file():
+        out += ["## 5. Preprocessing throughput (`benchmarks/preprocess.py`)", "", "```",
+                (res / "preprocess.txt").read_text().strip(), "```", ""]
+    return out
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from loco_megatron.config import Config, ConfigError
+from loco_megatron.config import ALTERNATIVES, Config, ConfigError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_gpt.yaml"
@@ -173,8 +173,24 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", str(DEFAULT_CONFIG))
     values = load_yaml_config(config_path)
+    for name, (other, off) in ALTERNATIVES.items():
+        if name in args and other not in args:
+            values[other] = off
     values.update(args)
     return make_config(values)
+
+
+def report_error(error: ConfigError, rank: int) -> None:
+    """Print a bad-input error once per run: every rank meets the same validation error
+    before the process group exists, so only rank 0 prints it; an error marked
+    ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened."""
+    if rank == 0 or getattr(error, "per_rank", False):
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    else:
+        # torchrun stops every worker when the first one exits: leave rank 0 time to print.
+        import time
+
+        time.sleep(3.0)
 
 
 def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv]:
@@ -182,5 +198,5 @@ def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv
     try:
         return parse_config(argv), LaunchEnv.from_environ()
     except ConfigError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        report_error(e, int(os.environ.get("RANK", "0")))
         raise SystemExit(2)

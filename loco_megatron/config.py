@@ -15,6 +15,11 @@ class ConfigError(ValueError):
     """A bad flag or config value. The message names the flag."""
 
 
+ALTERNATIVES = {"lr_warmup_iters": ("lr_warmup_fraction", None), "lr_warmup_fraction": ("lr_warmup_iters", 0)}
+"""Flags that replace each other: setting one on the command line resets the other (to the
+given value) when it came from the config file."""
+
+
 def _require(cond: bool, flag: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"--{flag.replace('_', '-')}: {msg}")
@@ -64,6 +69,14 @@ class ModelConfig:
     """'local' (megatron-core modules, no TransformerEngine) or 'transformer_engine'."""
     use_cpu_initialization: bool = True
     """Initialise weights on CPU from one full master weight, so TP=1 and TP=2 start identical."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: 'selective' (attention core only) or 'full' (whole layers; needs
+    --recompute-method). None = keep all activations."""
+    recompute_method: Optional[str] = None
+    """With full recomputation: 'uniform' (checkpoint groups of --recompute-num-layers layers) or
+    'block' (checkpoint the first --recompute-num-layers layers of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputation group ('uniform') or per stage ('block'); default 1."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -94,6 +107,19 @@ class ModelConfig:
                      f"must be in [1, --num-experts={self.num_experts}]")
         for name in ("hidden_dropout", "attention_dropout"):
             _require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
+        _require(self.recompute_granularity in (None, "selective", "full"), "recompute_granularity",
+                 f"{self.recompute_granularity!r} is not 'selective' or 'full'")
+        _require(self.recompute_method in (None, "uniform", "block"), "recompute_method",
+                 f"{self.recompute_method!r} is not 'uniform' or 'block'")
+        if self.recompute_granularity == "full":
+            _require(self.recompute_method is not None, "recompute_method",
+                     "is required with --recompute-granularity full ('uniform' or 'block')")
+            if self.recompute_num_layers is None:
+                self.recompute_num_layers = 1
+            _require(self.recompute_num_layers >= 1, "recompute_num_layers", "must be >= 1")
+        else:
+            _require(self.recompute_method is None and self.recompute_num_layers is None, "recompute_method",
+                     "and --recompute-num-layers need --recompute-granularity full")
 
 
 @dataclasses.dataclass
@@ -115,6 +141,17 @@ class ParallelConfig:
     """Keep gradient buffers and their reduce-scatter in bf16."""
     ddp_bucket_size: Optional[int] = None
     """Elements per gradient bucket (None = megatron-core's default)."""
+    sequence_parallel: bool = False
+    """Split layer norms, dropout and residuals along the sequence across the TP ranks
+    (Megatron's sequence parallelism; needs --tensor-model-parallel-size > 1)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (interleaved 1F1B schedule; needs PP > 1)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk; sets --virtual-pipeline-model-parallel-size to
+    num_layers / PP / this."""
+    context_parallel_size: int = 1
+    """Context-parallel ranks (split each sequence across ranks). Only 1: megatron-core 0.16
+    implements it in TransformerEngine's attention only."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -124,12 +161,25 @@ class ParallelConfig:
             _require(self.ddp_bucket_size > 0, "ddp_bucket_size", "must be positive")
         if self.overlap_param_gather:
             _require(self.use_distributed_optimizer, "overlap_param_gather", "needs the distributed optimizer")
+        _require(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
+                 "needs --tensor-model-parallel-size > 1")
+        _require(self.context_parallel_size == 1, "context_parallel_size",
+                 "needs TransformerEngine: megatron-core 0.16 implements context parallelism only in "
+                 "TEDotProductAttention (--transformer-impl transformer_engine), which loco-megatron does not wire")
+        _require(self.virtual_pipeline_model_parallel_size is None
+                 or self.num_layers_per_virtual_pipeline_stage is None, "num_layers_per_virtual_pipeline_stage",
+                 "give either it or --virtual-pipeline-model-parallel-size, not both")
+        for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
+            if getattr(self, name) is not None:
+                _require(getattr(self, name) >= 1, name, "must be >= 1")
+                _require(self.pipeline_model_parallel_size > 1, name, "needs --pipeline-model-parallel-size > 1")
 
 
 @dataclasses.dataclass
 class DataConfig:
     data_path: Optional[str] = None
-    """Prefix of a Megatron indexed dataset (PREFIX.bin/PREFIX.idx). None = the built-in corpus."""
+    """Megatron indexed dataset(s) (PREFIX.bin/PREFIX.idx): 'PREFIX', 'P1 P2' (weighted by
+    size) or 'W1 P1 W2 P2' (a blend drawn in proportion to the weights). None = the built-in corpus."""
     tokenizer_model: Optional[str] = None
     """sentencepiece .model file (required with --data-path)."""
     split: str = "98,2,0"
@@ -142,6 +192,11 @@ class DataConfig:
     """Where built-in corpus and dataset index caches go (None = ~/.cache/loco_megatron)."""
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained for the built-in corpus."""
+    train_data_path: Optional[str] = None
+    """Training data only (Megatron's form: PREFIX, 'P1 P2' or 'W1 P1 W2 P2'); with
+    --valid-data-path, replaces --data-path and --split."""
+    valid_data_path: Optional[str] = None
+    """Validation data (same form), with --train-data-path."""
 
     def __post_init__(self):
         _require(self.micro_batch_size > 0, "micro_batch_size", "must be positive")
@@ -152,6 +207,11 @@ class DataConfig:
                  f"'{self.split}' is not three comma-separated non-negative weights")
         if self.data_path is not None:
             _require(self.tokenizer_model is not None, "tokenizer_model", "is required with --data-path")
+        if self.train_data_path is not None or self.valid_data_path is not None:
+            _require(self.train_data_path is not None and self.valid_data_path is not None, "train_data_path",
+                     "and --valid-data-path go together")
+            _require(self.data_path is None, "data_path", "give either it or --train-data-path/--valid-data-path")
+            _require(self.tokenizer_model is not None, "tokenizer_model", "is required with --train-data-path")
 
 
 @dataclasses.dataclass
@@ -160,8 +220,8 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 1e-4
     """Learning rate at the end of decay."""
-    lr_warmup_iters: int = 20
-    """Linear warmup iterations."""
+    lr_warmup_iters: int = 0
+    """Linear warmup iterations (or use --lr-warmup-fraction)."""
     lr_decay_style: str = "cosine"
     """'constant', 'linear' or 'cosine'."""
     lr_decay_iters: Optional[int] = None
@@ -176,6 +236,10 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    lr_warmup_fraction: Optional[float] = None
+    """Linear warmup as a fraction of the decay iterations (Megatron-LM's flag); replaces
+    --lr-warmup-iters. A flag given on the command line overrides the other one's value
+    from the config file."""
 
     def __post_init__(self):
         _require(self.lr > 0, "lr", "must be positive")
@@ -185,6 +249,15 @@ class OptimizerConfig:
                  "must be 'constant', 'linear' or 'cosine'")
         _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            _require(0.0 <= self.lr_warmup_fraction < 1.0, "lr_warmup_fraction", "must be in [0, 1)")
+            _require(self.lr_warmup_iters == 0, "lr_warmup_fraction", "give either it or --lr-warmup-iters, not both")
+
+    def warmup_iters(self, decay_iters: int) -> int:
+        """Warmup steps: --lr-warmup-iters, or --lr-warmup-fraction of ``decay_iters`` (rounded down)."""
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * decay_iters)
+        return self.lr_warmup_iters
 
 
 @dataclasses.dataclass
@@ -320,9 +393,35 @@ class LoggingConfig:
     """wandb group, to compare runs side by side."""
     wandb_tags: Optional[str] = None
     """Comma-separated wandb tags."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device for train/mfu (default: the dense bf16 peak of known NVIDIA
+    GPUs; no MFU on CPU unless given)."""
+    tensorboard_dir: Optional[str] = None
+    """Also write every logged scalar to TensorBoard event files in this directory."""
+    profile: bool = False
+    """Record a torch.profiler trace (Chrome/Perfetto JSON) of steps --profile-step-start
+    to --profile-step-end on --profile-ranks, with named ranges (NVTX ranges too on CUDA)."""
+    profile_step_start: int = 3
+    """First profiled iteration (1-based)."""
+    profile_step_end: int = 4
+    """Last profiled iteration."""
+    profile_ranks: str = "0"
+    """Comma-separated global ranks to profile."""
+    profile_dir: str = "profile"
+    """Where traces go: PROFILE_DIR/trace_rank{R}.json."""
 
     def __post_init__(self):
         _require(self.log_interval > 0, "log_interval", "must be positive")
+        if self.peak_tflops is not None:
+            _require(self.peak_tflops > 0, "peak_tflops", "must be positive")
+        _require(1 <= self.profile_step_start <= self.profile_step_end, "profile_step_end",
+                 "must be >= --profile-step-start >= 1")
+        ranks = self.profile_ranks.split(",")
+        _require(all(r.strip().isdigit() for r in ranks), "profile_ranks",
+                 f"{self.profile_ranks!r} is not a comma-separated list of ranks")
+
+    def profiled_ranks(self) -> set[int]:
+        return {int(r) for r in self.profile_ranks.split(",")}
 
 
 @dataclasses.dataclass
@@ -360,8 +459,26 @@ class Config:
         if self.loco.param_gather_bits:
             _require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
         decay = self.optimizer.lr_decay_iters or self.train.train_iters
-        _require(self.optimizer.lr_warmup_iters < decay, "lr_warmup_iters",
-                 f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay})")
+        _require(self.optimizer.warmup_iters(decay) < decay, "lr_warmup_iters",
+                 f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay}); "
+                 "--lr-warmup-fraction scales with the run")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            per_stage = m.num_layers // p.pipeline_model_parallel_size
+            _require(per_stage % p.num_layers_per_virtual_pipeline_stage == 0,
+                     "num_layers_per_virtual_pipeline_stage",
+                     f"{p.num_layers_per_virtual_pipeline_stage} does not divide the {per_stage} layers per stage")
+            p.virtual_pipeline_model_parallel_size = per_stage // p.num_layers_per_virtual_pipeline_stage
+            p.num_layers_per_virtual_pipeline_stage = None
+        if p.virtual_pipeline_model_parallel_size is not None:
+            vp = p.virtual_pipeline_model_parallel_size
+            _require(m.num_layers % (p.pipeline_model_parallel_size * vp) == 0,
+                     "virtual_pipeline_model_parallel_size",
+                     f"--num-layers {m.num_layers} is not divisible by PP x VP = "
+                     f"{p.pipeline_model_parallel_size} x {vp}")
+        if m.recompute_num_layers is not None:
+            per_chunk = m.num_layers // p.pipeline_model_parallel_size // (p.virtual_pipeline_model_parallel_size or 1)
+            _require(m.recompute_num_layers <= per_chunk, "recompute_num_layers",
+                     f"{m.recompute_num_layers} exceeds the {per_chunk} layers per model chunk")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises ConfigError when the layout does not fit."""
@@ -379,6 +496,12 @@ class Config:
         _require(d.global_batch_size % (d.micro_batch_size * dp) == 0, "global_batch_size",
                  f"{d.global_batch_size} is not divisible by --micro-batch-size x data-parallel size "
                  f"= {d.micro_batch_size} x {dp}")
+        if p.virtual_pipeline_model_parallel_size is not None:
+            micro = d.global_batch_size // (d.micro_batch_size * dp)
+            # megatron's interleaved schedule runs micro batches in groups of PP per chunk.
+            _require(micro % p.pipeline_model_parallel_size == 0, "global_batch_size",
+                     f"{micro} micro batches per step is not a multiple of --pipeline-model-parallel-size "
+                     f"{p.pipeline_model_parallel_size} (needed by the interleaved schedule)")
         return dp
 
     def to_flat_dict(self) -> dict:

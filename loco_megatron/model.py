@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from loco_megatron.config import Config, ConfigError
-from loco_megatron.distributed import ParallelLayout
 
 
 def transformer_config(config: Config):
@@ -35,11 +34,21 @@ def transformer_config(config: Config):
         expert_model_parallel_size=p.expert_model_parallel_size,
         use_cpu_initialization=m.use_cpu_initialization,
         variable_seq_lengths=m.num_experts is not None and p.pipeline_model_parallel_size > 1,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers, sequence_parallel=p.sequence_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        # With PP=2 the previous and next stage are one rank, and the interleaved schedule's
+        # batched p2p posts 'send to prev' before 'send to next' on both sides, so the
+        # forward activation and the backward gradient of one exchange arrive swapped
+        # (same shape: silently wrong losses). megatron's unbatched path orders size-2 groups.
+        batch_p2p_comm=p.pipeline_model_parallel_size != 2,
         **moe,
     )
 
 
-def layer_spec(config: Config):
+def layer_spec(config: Config, tconf=None, vp_stage=None):
+    """The layer spec (or, with sequence parallelism on the local implementation, the block
+    spec of chunk ``vp_stage`` under TransformerConfig ``tconf``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     m = config.model
@@ -48,25 +57,66 @@ def layer_spec(config: Config):
             import transformer_engine  # noqa: F401
         except ImportError:
             raise ConfigError("--transformer-impl transformer_engine: TransformerEngine is not installed") from None
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
+    spec.module = _seeded_layer_class(spec.module, config.train.seed)
+    if not config.parallel.sequence_parallel or m.transformer_impl != "local":
+        return spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    # megatron-core's torch-norm fallback (no Apex) refuses sequence parallelism; the same
+    # torch norm with its params marked 'sequence_parallel' (finalize_model_grads then
+    # sums their grads over the TP group) is what the Apex/TE norms do.
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name) is WrappedTorchNorm:
+            setattr(spec.submodules, name, SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconf, vp_stage),
+                                      layer_norm=SequenceParallelNorm)
 
 
-def build_model(config: Config, layout: ParallelLayout, vocab_size: int, device: torch.device):
-    """This rank's pipeline stage of the GPT, inside megatron-core's DDP wrapper."""
+class SequenceParallelNorm:
+    """torch LayerNorm / RMSNorm for sequence-parallel runs (constructor as megatron's
+    WrappedTorchNorm): each TP rank normalises its own sequence slice, and the weights'
+    gradients are partial sums that megatron all-reduces over the TP group."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _seeded_layer_class(layer_cls, seed: int):
+    """``layer_cls`` whose CPU-initialised weights depend only on (seed, global layer
+    number), not on which pipeline stage or virtual chunk builds the layer, so PP, VPP
+    and PP=1 runs of one seed start from the same weights (layout twins compare)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    class SeededLayer(layer_cls):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, vp_stage=None, **kwargs):
+            global_number = layer_number + get_transformer_layer_offset(
+                config, vp_stage, ps.get_pipeline_model_parallel_rank())
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 100003 + global_number)
+                super().__init__(config, submodules, layer_number, *args, vp_stage=vp_stage, **kwargs)
+
+    SeededLayer.__name__ = SeededLayer.__qualname__ = layer_cls.__name__
+    return SeededLayer
+
+
+def build_model(config: Config, vocab_size: int, device: torch.device) -> list:
+    """This rank's model chunks (one per virtual pipeline stage, else one), each a
+    GPTModel inside megatron-core's DDP wrapper, in schedule order."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
     m, p = config.model, config.parallel
     tconf = transformer_config(config)
-    model = GPTModel(
-        config=tconf, transformer_layer_spec=layer_spec(config), vocab_size=vocab_size,
-        max_sequence_length=m.max_position_embeddings,
-        pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-    )
-    model.to(device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not p.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
@@ -74,7 +124,23 @@ def build_model(config: Config, layout: ParallelLayout, vocab_size: int, device:
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=p.ddp_bucket_size,
     )
-    return DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)
+    vp = p.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        model = GPTModel(
+            config=tconf, transformer_layer_spec=layer_spec(config, tconf, vp_stage), vocab_size=vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type, vp_stage=vp_stage,
+        )
+        model.to(device)
+        # Every chunk keeps its own buckets (megatron-LM merges chunks > 0 into one bucket;
+        # here each chunk's buckets overlap its backward and each gets LoCo compressors).
+        chunks.append(DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model))
+    return chunks
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

@@ -29,7 +29,7 @@ def build_scheduler(config: Config, optimizer):
     decay = o.lr_decay_iters or t.train_iters
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=min(o.lr_warmup_iters, decay), lr_decay_steps=decay,
+        lr_warmup_steps=o.warmup_iters(decay), lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=decay, wd_incr_style="constant",
     )

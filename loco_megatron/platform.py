@@ -96,6 +96,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
 class _NoOpRange:
     def __enter__(self):
         return self
@@ -130,6 +134,7 @@ def _cpu_manual_seed(seed: int) -> None:
 @contextlib.contextmanager
 def cpu_compat() -> Iterator[None]:
     """Let unmodified megatron-core run on a host without CUDA (see module doc)."""
+    import megatron.core.fusions.fused_softmax as mcore_softmax
     import megatron.core.tensor_parallel.random as mcore_random
 
     cpu = torch.device("cpu")
@@ -150,6 +155,9 @@ def cpu_compat() -> Iterator[None]:
         _patch(stack, cuda.nvtx, "range", lambda *a, **k: _NoOpRange())
         _patch(stack, mcore_random, "_get_cuda_rng_state", _cpu_rng_get)
         _patch(stack, mcore_random, "_set_cuda_rng_state", _cpu_rng_set)
+        # A torch-function mode is off while it handles a call, and backward is one call:
+        # activation recomputation re-runs attention (its device='cuda' causal mask) there.
+        _patch(stack, mcore_softmax, "get_default_causal_mask", _cpu_causal_mask)
         stack.enter_context(_CudaToCpuMode())
         yield
 

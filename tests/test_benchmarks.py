@@ -69,3 +69,22 @@ def _require_netns():
     reason = available()
     if reason:
         pytest.skip(f"simulated cluster unavailable: {reason}")
+
+
+def test_memory_analytic_table_backs_the_configs():
+    """Guards against the memory benchmark rotting and against the shipped 7B/13B/8x7B
+    configs drifting from a layout its table says fits an 80 GB GPU."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from memory import analytic
+
+    from loco_megatron.cli import parse_config
+
+    for name, dp in (("llama2_7b", 4), ("llama2_13b", 2), ("mixtral_8x7b", 8)):
+        c = parse_config(["--config", str(REPO / "configs" / f"{name}.yaml")])
+        p = c.parallel
+        r = analytic(str(REPO / "configs" / f"{name}.yaml"), p.tensor_model_parallel_size,
+                     p.pipeline_model_parallel_size, dp, p.expert_model_parallel_size,
+                     p.virtual_pipeline_model_parallel_size or 1, c.model.recompute_granularity or "none",
+                     p.sequence_parallel, micro_batch=c.data.micro_batch_size)
+        assert 0 < r["total"] < 0.92 * 80e9, (name, r)
+        assert r["total"] == pytest.approx(sum(v for k, v in r.items() if k not in ("total", "params")))

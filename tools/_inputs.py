@@ -4,7 +4,8 @@ Bad input ends the tool with one line naming the file and line (``InputError``),
 the tools leave no partial output. Policy for bytes that are not UTF-8: in ``.jsonl``
 they are an error (JSON is UTF-8 by definition, so the file is damaged or mislabelled);
 in ``.txt`` they are replaced by U+FFFD, with one warning per file giving the count and
-the first line (plain-text dumps often hold a few stray Latin-1 bytes).
+the first line (plain-text dumps often hold a few stray Latin-1 bytes). ``.gz`` and
+``.zst`` files (e.g. ``corpus.jsonl.zst``) are read compressed, by the same rules.
 """
 
 import json
@@ -17,6 +18,23 @@ class InputError(Exception):
     """Unusable input; the message is the one line to print."""
 
 
+def _open_binary(p: pathlib.Path):
+    """Binary stream of a plain, gzip (.gz) or zstandard (.zst) file."""
+    if p.suffix == ".gz":
+        import gzip
+
+        return gzip.open(p, "rb")
+    if p.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise InputError(f"{p} is zstandard-compressed: pip install zstandard") from None
+        import io
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(p, "rb")))
+    return open(p, "rb")
+
+
 def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
     """One document per .jsonl line (its ``json_key``) or per blank-line-separated block
     of a text file. Raises InputError naming the file (and line) on unusable input,
@@ -26,7 +44,8 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
         p = pathlib.Path(path)
         if not p.is_file():
             raise InputError(f"{path} does not exist")
-        docs = _jsonl(p, json_key) if p.suffix in (".jsonl", ".json") else _text(p)
+        suffixes = [x for x in p.suffixes if x not in (".gz", ".zst")]
+        docs = _jsonl(p, json_key) if suffixes and suffixes[-1] in (".jsonl", ".json") else _text(p)
         for doc in docs:
             count += 1
             yield doc
@@ -35,7 +54,7 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
 
 
 def _jsonl(p: pathlib.Path, json_key: str) -> Iterator[str]:
-    with open(p, "rb") as f:
+    with _open_binary(p) as f:
         for n, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -56,7 +75,7 @@ def _jsonl(p: pathlib.Path, json_key: str) -> Iterator[str]:
 def _text(p: pathlib.Path) -> Iterator[str]:
     block: list[str] = []
     bad_lines, first_bad = 0, 0
-    with open(p, "rb") as f:
+    with _open_binary(p) as f:
         for n, raw in enumerate(f, 1):
             line = raw.decode("utf-8", errors="replace")
             if "\ufffd" in line and b"\xef\xbf\xbd" not in raw:

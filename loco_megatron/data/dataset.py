@@ -4,11 +4,12 @@ and the resumable micro-batch iterator that feeds the pipeline schedules."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from loco_megatron.config import Config, ConfigError
+from loco_megatron.data.blend import Blends, blends_from
 from loco_megatron.data.corpus import ensure_default_corpus
 from loco_megatron.data.indexed import check_indexed_dataset
 from loco_megatron.data.tokenizer import load_tokenizer
@@ -16,23 +17,28 @@ from loco_megatron.data.tokenizer import load_tokenizer
 
 @dataclasses.dataclass
 class DataSources:
-    """Resolved, validated inputs: the dataset prefix and its tokenizer."""
+    """Resolved, validated inputs: the dataset prefix(es) and their tokenizer."""
 
     data_prefix: str
+    """The (first) dataset prefix."""
     tokenizer_model: str
     tokenizer: object
+    blends: Optional[Blends] = None
+    """Blends of several prefixes (None: ``data_prefix`` alone)."""
 
 
 def resolve_data(config: Config, cache_dir: str) -> DataSources:
     """The user's dataset and tokenizer (checked), or the built-in corpus. Raises ConfigError."""
     d = config.data
-    if d.data_path is None:
+    if d.data_path is None and d.train_data_path is None:
         prefix, model = ensure_default_corpus(cache_dir, d.vocab_size)
     else:
-        prefix, model = d.data_path, d.tokenizer_model
+        prefix, model = None, d.tokenizer_model
+    blends = blends_from(d.data_path, d.train_data_path, d.valid_data_path, prefix)
     tokenizer = load_tokenizer(model)
-    check_indexed_dataset(prefix, tokenizer, model)
-    return DataSources(prefix, model, tokenizer)
+    for p in blends.prefixes:
+        check_indexed_dataset(p, tokenizer, model)
+    return DataSources(blends.prefixes[0], model, tokenizer, blends)
 
 
 def build_datasets(config: Config, sources: DataSources, cache_dir: str):
@@ -41,13 +47,15 @@ def build_datasets(config: Config, sources: DataSources, cache_dir: str):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     t, g = config.train, config.data.global_batch_size
+    blends = sources.blends or Blends(blend=([sources.data_prefix], None))
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
     sizes = [t.train_iters * g, max(evals * t.eval_iters * g, 1), 0]
     ds_config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=config.model.seq_length,
-        blend=([sources.data_prefix], None),
-        split=config.data.split,
+        blend=blends.blend,
+        blend_per_split=blends.per_split,
+        split=config.data.split if blends.blend else None,
         path_to_cache=cache_dir,
         tokenizer=sources.tokenizer,
         reset_position_ids=False,
@@ -55,7 +63,9 @@ def build_datasets(config: Config, sources: DataSources, cache_dir: str):
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    _check_split_nonempty(config.data.split, sources.data_prefix)
+    if blends.blend:
+        for prefix in blends.prefixes:
+            _check_split_nonempty(config.data.split, prefix)
     # Every rank reads its own samples; megatron's builder lets global rank 0 write the
     # shuffle/sample index caches first while the others wait, then read them.
     train, valid, _ = BlendedMegatronDatasetBuilder(

@@ -24,6 +24,14 @@ def token_dtype(vocab_size: int):
 def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer_model: str,
                           progress: bool = False) -> int:
     """Tokenise ``docs`` (one document each, EOD appended) into ``prefix``.bin/.idx.
+    Returns the number of tokens."""
+    ids = (list(tokenizer.tokenize(doc)) + [tokenizer.eod] for doc in docs)
+    return write_token_documents(ids, tokenizer.vocab_size, prefix, tokenizer_model, progress, tokenizer.eod)
+
+
+def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, tokenizer_model: str,
+                          progress: bool = False, eod: Optional[int] = None) -> int:
+    """Write already tokenised documents (lists or arrays of ids, EOD included) to ``prefix``.bin/.idx.
 
     Files are written under temporary names and renamed at the end, so an interrupted
     run never leaves a dataset that looks complete. Returns the number of tokens.
@@ -35,20 +43,19 @@ def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer
 
     tmp = f"{prefix}.tmp{os.getpid()}"
     try:
-        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(tokenizer.vocab_size))
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(vocab_size))
         if progress:
             from tqdm import tqdm
 
-            docs = tqdm(docs, unit="doc")
+            documents = tqdm(documents, unit="doc")
         n_tokens = 0
-        for doc in docs:
-            ids = list(tokenizer.tokenize(doc)) + [tokenizer.eod]
-            builder.add_item(torch.tensor(ids, dtype=torch.int64))
+        for ids in documents:
+            builder.add_item(torch.as_tensor(np.asarray(ids, dtype=np.int64)))
             builder.end_document()
             n_tokens += len(ids)
         builder.finalize(tmp + ".idx")
-        meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
-                "num_tokens": n_tokens, "eod": tokenizer.eod}
+        meta = {"vocab_size": vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
+                "num_tokens": n_tokens, **({"eod": eod} if eod is not None else {})}
         pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
         for ext in (".bin", ".idx", ".meta.json"):
             os.replace(tmp + ext, prefix + ext)

@@ -12,7 +12,7 @@ import json
 import pathlib
 from typing import Optional
 
-from loco_megatron.config import LoggingConfig
+from loco_megatron.config import ConfigError, LoggingConfig
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -28,6 +28,7 @@ class MetricsLogger:
         self.enabled, self.print = enabled, print_fn
         self._jsonl = None
         self._wandb = None
+        self._tensorboard = None
         if not enabled:
             return
         if cfg.metrics_jsonl:
@@ -48,6 +49,14 @@ class MetricsLogger:
             )
             self._wandb.define_metric("train/tokens_seen")
             self._wandb.define_metric("train/lm_loss_vs_tokens", step_metric="train/tokens_seen")
+        self._tensorboard = None
+        if cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--tensorboard-dir: the tensorboard package is not installed "
+                                  "(pip install -r requirements-tensorboard.txt)") from None
+            self._tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
 
     def log(self, iteration: int, metrics: dict, total_iters: Optional[int] = None) -> None:
         if not self.enabled:
@@ -59,6 +68,9 @@ class MetricsLogger:
             if "train/lm_loss" in metrics:
                 extra["train/lm_loss_vs_tokens"] = metrics["train/lm_loss"]
             self._wandb.log({**metrics, **extra}, step=iteration)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, iteration)
         self.print(self._line(iteration, metrics, total_iters), flush=True)
 
     @staticmethod
@@ -68,6 +80,9 @@ class MetricsLogger:
             parts += [f"loss {m['train/lm_loss']:.4f}", f"lr {m['train/lr']:.2e}",
                       f"grad norm {m['train/grad_norm']:.3f}", f"tokens/s {m['train/tokens_per_s']:.0f}",
                       f"step {m['train/step_s']:.3f}s"]
+            if "train/tflops_per_device" in m:
+                parts.append(f"TFLOP/s/device {m['train/tflops_per_device']:.3f}"
+                             + (f" (MFU {100 * m['train/mfu']:.1f}%)" if "train/mfu" in m else ""))
             if "comm/grad_sync_total_s" in m:
                 parts.append(f"comm {m['comm/grad_sync_total_s'] * 1e3:.1f}ms "
                              f"(exposed {m['comm/grad_sync_exposed_s'] * 1e3:.1f}ms, "
@@ -87,3 +102,5 @@ class MetricsLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -45,22 +45,38 @@ def _mean_loss(losses_reduced: list) -> Optional[torch.Tensor]:
     return torch.stack([d["lm loss"] for d in losses_reduced]).mean()
 
 
+def per_chunk(micro_batches: Iterator[dict], num_chunks: int):
+    """The schedule's data iterator: itself for one chunk; with virtual pipeline stages
+    one iterator per chunk over the same micro batches (every chunk's forward reads each
+    micro batch once: the first stage its tokens, the last its labels)."""
+    if num_chunks == 1:
+        return micro_batches
+    batches = list(micro_batches)
+    return [iter(batches) for _ in range(num_chunks)]
+
+
 def train_step(model_chunks: list, optimizer, scheduler, micro_batches: Iterator[dict],
                num_microbatches: int, seq_length: int, micro_batch_size: int, device: torch.device,
-               poison: bool = False) -> StepResult:
-    """Forward/backward over all micro batches (grad sync overlapped inside), then step."""
+               poison: bool = False, ranges=None) -> StepResult:
+    """Forward/backward over all micro batches (grad sync overlapped inside), then step.
+    ``ranges(name)`` returns a context manager marking a named profiler range (optional)."""
+    from contextlib import nullcontext
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    ranges = ranges or (lambda name: nullcontext())
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=make_forward_step(device, poison), data_iterator=micro_batches,
+        forward_step_func=make_forward_step(device, poison),
+        data_iterator=per_chunk(micro_batches, len(model_chunks)),
         model=model_chunks, num_microbatches=num_microbatches, seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=False)
     # finalize_model_grads (run by the schedule) has waited for every bucket's
     # reduce-scatter, so the distributed optimizer reads fully reduced shards here.
-    ok, grad_norm, _ = optimizer.step()
+    with ranges("optimizer_step"):
+        ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
     return StepResult(_mean_loss(losses), float("nan") if grad_norm is None else float(grad_norm), not ok)
@@ -77,7 +93,8 @@ def evaluate(model_chunks: list, micro_batch_steps: list, num_microbatches: int,
     total, n = None, 0
     for micro_batches in micro_batch_steps:
         losses = get_forward_backward_func()(
-            forward_step_func=make_forward_step(device), data_iterator=micro_batches,
+            forward_step_func=make_forward_step(device),
+            data_iterator=per_chunk(micro_batches, len(model_chunks)),
             model=model_chunks, num_microbatches=num_microbatches, seq_length=seq_length,
             micro_batch_size=micro_batch_size, forward_only=True)
         loss = _mean_loss(losses)

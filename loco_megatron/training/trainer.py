@@ -24,8 +24,11 @@ from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
+from loco_megatron.training.flops import throughput_for
 from loco_megatron.training.health import SkipGuard
+from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.signals import StopRequest
+from loco_megatron.training.summary import startup_summary
 from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
 from loco_megatron.training.step import evaluate, train_step
 
@@ -54,6 +57,9 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
         try:
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory,
                           param_sync_factory)
+        except ConfigError as e:
+            e.per_rank = True  # after start-up a file may be bad on some ranks only: each reports
+            raise
         finally:
             shutdown_distributed()
 
@@ -82,8 +88,12 @@ def _configure_schedules(model_chunks: list, optimizer) -> None:
     config = model_chunks[0].config
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model_chunks[0].no_sync
-    config.grad_sync_func = model_chunks[0].start_grad_sync
+    # One per chunk with virtual pipeline stages: the interleaved schedule starts each
+    # chunk's grad sync as soon as that chunk's last backward is done.
+    config.no_sync_func = [c.no_sync for c in model_chunks]
+    config.grad_sync_func = [c.start_grad_sync for c in model_chunks]
+    if len(model_chunks) == 1:
+        config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
 
 
 def _reduce_for_logging(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -141,14 +151,15 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     d, t = config.data, config.train
     device = platform.device
     vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
+    vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
     layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
                   "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
+                  **({"vpp": vpp} if vpp > 1 else {}),
                   "model": [config.model.num_layers, config.model.hidden_size, vocab,
                             config.model.num_experts]}
     ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key, device)
     resume = ckpt.find_resume_dir()  # a layout mismatch is refused here, before the model is built
-    model = build_model(config, layout, vocab, device)
-    chunks = [model]
+    chunks = build_model(config, vocab, device)
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats(clock_for(device))
@@ -158,6 +169,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     _configure_schedules(chunks, optimizer)
     if layout.is_logging_rank and hasattr(grad_sync, "memory_report") and config.loco.enabled:
         print(_loco_memory_line(grad_sync.memory_report()), flush=True)
+    profiler = Profiler(config.logging, layout.rank, device)
+    profiler.instrument(chunks, grad_sync)
+    throughput = throughput_for(config.model, vocab, layout.world_size, device, config.logging.peak_tflops)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
     batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size,
@@ -175,6 +189,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                   "resumed_from_iteration": state.iteration}
     logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline)
     if layout.is_logging_rank:
+        print(startup_summary(config, layout, chunks, vocab), flush=True)
         print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)
 
     tokens_per_step = d.global_batch_size * config.model.seq_length
@@ -188,11 +203,14 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     try:
         while state.iteration < t.train_iters:
             grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
+            profiler.before_step(state.iteration + 1)
             t_step = time.perf_counter()
             result = train_step(chunks, optimizer, scheduler, batches.step(), batches.num_microbatches,
                                 config.model.seq_length, d.micro_batch_size, device,
-                                poison=t.nan_poisoned(state.iteration + 1, layout.rank))
+                                poison=t.nan_poisoned(state.iteration + 1, layout.rank),
+                                ranges=profiler.ranges)
             state.iteration += 1
+            profiler.after_step(state.iteration)
             state.tokens_seen += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
             _accumulate(window, result, *comm_stats.take())
@@ -200,7 +218,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
 
             if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
                 last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
-                                   t.train_iters, gathers_params)
+                                   t.train_iters, throughput, gathers_params)
             if t.eval_interval and (state.iteration % t.eval_interval == 0
                                     or state.iteration == t.train_iters):
                 last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
@@ -219,6 +237,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
     finally:
         stop.restore()
+        profiler.close()
         logger.close()
     return last
 
@@ -266,7 +285,8 @@ def _accumulate_param(window: dict, comm_stats: CommStats) -> None:
 
 
 def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
-                tokens_per_step: int, logger: MetricsLogger, total_iters: int, gathers_params: bool) -> dict:
+                tokens_per_step: int, logger: MetricsLogger, total_iters: int, throughput,
+                gathers_params: bool) -> dict:
     """Reduce the interval's figures across ranks (only here, not every step) and log."""
     steps = window["steps"]
     counted = max(steps - window["skipped"], 1)
@@ -283,6 +303,7 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
         "train/tokens_seen": state.tokens_seen,
         "mem/peak_bytes": peak_memory_bytes(device),
     }
+    metrics.update(throughput.metrics(metrics["train/tokens_per_s"]))
     state.skipped_iters += window["skipped"]
     metrics.update(_comm_across_ranks(window["comm"], window["loco"], steps, device))
     if gathers_params:
