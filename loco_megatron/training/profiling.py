@@ -107,17 +107,9 @@ class Profiler:
         """Install the ranges around megatron's phases, LoCo and the collectives."""
         if not self.active:
             return
-        chunks[0].config.timers = _PhaseTimers(self.nvtx)
-        for compressor in getattr(grad_sync, "compressors", {}).values():
-            _wrap(compressor, "compress", "loco/compress", self.nvtx)
-        if hasattr(grad_sync, "_decompress"):  # the hook's injected decompress-and-sum
-            _wrap(grad_sync, "_decompress", "loco/decompress", self.nvtx)
-        for chunk in chunks:
-            for group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
-                _wrap(group, "start_grad_sync", "grad_sync/launch", self.nvtx)
-                _wrap(group, "finish_grad_sync", "grad_sync/wait", self.nvtx)
-                if chunk.ddp_config.use_distributed_optimizer:
-                    _wrap(group, "start_param_sync", "param_gather", self.nvtx)
+        chunks[0].config.timers = _PhaseTimers(self.nvtx)  # megatron's phase timers (public config)
+        if hasattr(grad_sync, "instrument"):  # LoCo and the bucket groups' sync, via the hook
+            grad_sync.instrument(lambda obj, attr, name: _wrap(obj, attr, name, self.nvtx))
 
     def before_step(self, iteration: int) -> None:
         """``iteration``: the 1-based number of the step about to run."""

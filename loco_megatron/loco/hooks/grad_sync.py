@@ -94,6 +94,7 @@ class GradSyncHook:
         self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
         self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank
         self._single: set[int] = set()  # ids of bucket groups whose sync group is one rank
+        self._groups: list = []  # (bucket group, uses the distributed optimizer), for instrument()
         for m, model in enumerate(ddp_models):
             ddp_config = model.ddp_config
             if loco.enabled and ddp_config.num_distributed_optimizer_instances > 1:
@@ -108,6 +109,7 @@ class GradSyncHook:
                 elif loco.enabled:
                     self._make_compressors(group, keys)
                 group.start_grad_sync = self._make_start_grad_sync(group, keys)
+                self._groups.append((group, ddp_config.use_distributed_optimizer))
                 if ddp_config.use_distributed_optimizer:
                     group.start_param_sync = self._make_start_param_sync(group)
 
@@ -311,6 +313,20 @@ class GradSyncHook:
         if intra is not None:
             self.stats.add_loco(intra.last_stats)
         return work
+
+    # -- profiling ------------------------------------------------------------------
+    def instrument(self, wrap: Callable[[object, str, str], None]) -> None:
+        """Let a profiler put named ranges around LoCo and megatron's sync phases:
+        ``wrap(obj, method_name, range_name)`` replaces ``obj.method_name`` with a wrapper
+        (kept here so that only this package reaches into megatron's bucket groups)."""
+        for compressor in self.compressors.values():
+            wrap(compressor, "compress", "loco/compress")
+        wrap(self, "_decompress", "loco/decompress")
+        for group, distopt in self._groups:
+            wrap(group, "start_grad_sync", "grad_sync/launch")
+            wrap(group, "finish_grad_sync", "grad_sync/wait")
+            if distopt:
+                wrap(group, "start_param_sync", "param_gather")
 
     # -- memory ---------------------------------------------------------------------
     def memory_report(self) -> dict:
