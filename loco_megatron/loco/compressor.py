@@ -17,7 +17,7 @@ scales still carry the overflow to the receiver.
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,11 +25,28 @@ from loco_megatron.loco import quantize as qz
 
 
 def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
-                    error_bits: int, error_feedback: bool) -> str:
-    """``"torch"`` or ``"triton"`` for ``--loco-kernels choice``; ValueError (one line,
-    naming the reason) when ``triton`` is asked for and cannot run."""
+                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None) -> str:
+    """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
+    line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
+
+    ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
+    ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
+    line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
+    """
     if choice == "torch":
         return "torch"
+    if choice == "cpu" or (choice == "auto" and device_type == "cpu"):
+        from loco_megatron.loco import cpu_kernels
+
+        why = cpu_kernels.unsupported(bits, block_size, error_bits, error_feedback)
+        if device_type != "cpu":
+            why = f"needs a CPU device, got {device_type}"
+        if why is not None:
+            if choice == "auto":
+                return "torch"
+            raise ValueError(f"--loco-kernels cpu {why}")
+        built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
+        return "cpu" if built is not None else "torch"
     why = None
     if importlib.util.find_spec("triton") is None:
         why = "triton is not installed (pip install -r requirements-triton.txt)"
@@ -80,10 +97,15 @@ class LoCoCompressor:
             raise ValueError(f"error_bits must be 8, 16 or 32, got {error_bits}")
         if block_size <= 0 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
-        if kernels not in ("torch", "triton"):
-            raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
-        if kernels == "triton" and error_feedback and error_bits != 8:
-            raise ValueError("the Triton kernels store the error in int8 only (error_bits=8)")
+        if kernels not in ("torch", "triton", "cpu"):
+            raise ValueError(f"kernels must be 'torch', 'triton' or 'cpu', got {kernels!r}")
+        if kernels != "torch" and error_feedback and error_bits != 8:
+            raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
+        if kernels == "cpu":
+            from loco_megatron.loco import cpu_kernels
+
+            if cpu_kernels.extension() is None:
+                raise ValueError("the C++ CPU kernels are unavailable here (see the line above); use kernels='torch'")
         self.kernels = kernels
         self.numel, self.bits, self.beta = numel, bits, beta
         self.block_size, self.error_bits = block_size, error_bits
@@ -156,6 +178,8 @@ class LoCoCompressor:
         ws = workspace or Workspace()
         if self.kernels == "triton":
             return self._compress_triton(grad, ws)
+        if self.kernels == "cpu":
+            return self._compress_cpu(grad)
         shape = (self.num_blocks, self.block_size)
         g = qz._blocks(grad, self.block_size)
         h = ws.get("h", shape, g.device)
@@ -205,6 +229,23 @@ class LoCoCompressor:
             torch.where(finite, new_scales, self._err_scales, out=self._err_scales)
         sums = torch.cat([stats.sum(dim=0), torch.tensor([float(self.numel)], device=dev)])
         self.last_stats = torch.where(finite, sums, torch.zeros(4, device=dev))
+        self.step += 1
+        return codes, scales
+
+    def _compress_cpu(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step as :meth:`compress` in the fused C++ kernel (see :mod:`.cpu_kernels`).
+
+        ``grad`` may be ``[rows, S]`` (each row padded to whole blocks inside the kernel)
+        or flat. Two passes over ``grad`` (scales, then codes and the error in place): no
+        scratch at all (see the README for the measurement behind the choice).
+        """
+        from loco_megatron.loco import cpu_kernels
+
+        g = grad if grad.dim() == 2 else grad.reshape(-1)
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            g = g.float()
+        codes, scales, self.last_stats = cpu_kernels.compress(
+            g, self._err, self._err_scales, self.beta, self.bits, self.block_size, self.numel)
         self.step += 1
         return codes, scales
 
