@@ -11,9 +11,10 @@
 // -ffp-contract=off so that the compiler never fuses a multiply and an add the
 // reference rounds twice.
 //
-// ISA: every hot loop is compiled twice, for baseline x86-64 and for AVX2+FMA
-// (function-level target attribute), and the AVX2 copy is chosen at run time with
-// __builtin_cpu_supports - so the .so never executes an instruction the CPU lacks.
+// ISA: every hot loop is compiled three times, for baseline x86-64, AVX2+FMA and
+// AVX-512 (function-level target attributes; no -march), and the best copy the CPU
+// supports is chosen at run time with __builtin_cpu_supports - so the .so runs on any
+// x86-64 CPU and never executes an instruction the CPU lacks.
 // Threads: at::parallel_for over chunks of blocks (torch.get_num_threads()); the
 // metric sums are reduced per fixed-size chunk and then in chunk order, so they do
 // not depend on the thread count.
@@ -193,16 +194,29 @@ LOCO_INLINE void compress_range(const CompressArgs& a, int64_t b0, int64_t b1, d
 
 #if defined(__x86_64__)
 #define LOCO_AVX2 __attribute__((target("avx2,fma"), flatten))
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+#define LOCO_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"), flatten))
+// 2: AVX-512 (F/BW/VL/DQ), 1: AVX2+FMA, 0: baseline x86-64.
+int isa_level() {
+  static const int level = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+                               ? 2
+                               : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+  return level;
 }
 #else  // other architectures: the baseline copy only
 #define LOCO_AVX2 __attribute__((flatten))
-bool has_avx2() { return false; }
+#define LOCO_AVX512 __attribute__((flatten))
+int isa_level() { return 0; }
 #endif
 
 // One instantiation per ISA: `flatten` inlines every helper into the target-specific body.
+template <typename T, bool HAS_ERR, int BITS, bool SK>
+LOCO_AVX512 void run_chunk_avx512(const CompressArgs& a, int64_t b0, int64_t b1, double* part, bool scales_only) {
+  if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
+  else compress_range<T, HAS_ERR, BITS, SK>(a, b0, b1, part);
+}
+
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 LOCO_AVX2 void run_chunk_avx2(const CompressArgs& a, int64_t b0, int64_t b1,
                                                                  double* part, bool scales_only) {
@@ -220,12 +234,13 @@ __attribute__((flatten)) void run_chunk_base(const CompressArgs& a, int64_t b0, 
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 void run_all(const CompressArgs& a, int64_t nb, bool scales_only) {
   const int64_t chunks = (nb + kChunkBlocks - 1) / kChunkBlocks;
-  const bool avx2 = has_avx2();
+  const int isa = isa_level();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b0 = c * kChunkBlocks, b1 = std::min(nb, b0 + kChunkBlocks);
       double* part = a.partials + 3 * c;
-      if (avx2) run_chunk_avx2<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
+      if (isa == 2) run_chunk_avx512<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
+      else if (isa == 1) run_chunk_avx2<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
       else run_chunk_base<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
     }
   });
@@ -392,6 +407,11 @@ LOCO_INLINE void decomp_range(const DecompArgs& a, int64_t b0, int64_t b1) {
 }
 
 template <typename OUT, int BITS>
+LOCO_AVX512 void decomp_avx512(const DecompArgs& a, int64_t b0, int64_t b1) {
+  decomp_range<OUT, BITS>(a, b0, b1);
+}
+
+template <typename OUT, int BITS>
 LOCO_AVX2 void decomp_avx2(const DecompArgs& a, int64_t b0, int64_t b1) {
   decomp_range<OUT, BITS>(a, b0, b1);
 }
@@ -403,9 +423,10 @@ __attribute__((flatten)) void decomp_base(const DecompArgs& a, int64_t b0, int64
 
 template <typename OUT, int BITS>
 void decomp_all(const DecompArgs& a, int64_t nb) {
-  const bool avx2 = has_avx2();
+  const int isa = isa_level();
   at::parallel_for(0, nb, kChunkBlocks, [&](int64_t b0, int64_t b1) {
-    if (avx2) decomp_avx2<OUT, BITS>(a, b0, b1);
+    if (isa == 2) decomp_avx512<OUT, BITS>(a, b0, b1);
+    else if (isa == 1) decomp_avx2<OUT, BITS>(a, b0, b1);
     else decomp_base<OUT, BITS>(a, b0, b1);
   });
 }
@@ -438,7 +459,10 @@ void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, i
 
 }  // namespace
 
-std::string isa() { return has_avx2() ? "avx2+fma" : "x86-64 baseline"; }
+std::string isa() {
+  const int level = isa_level();
+  return level == 2 ? "avx512" : level == 1 ? "avx2+fma" : "baseline";
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "LoCo fused compress (see loco_cpu.cpp)");
