@@ -47,20 +47,24 @@ def _size(text: str) -> int:
 
 
 def _timer(device: torch.device):
+    """``median(fn, repeats) -> (wall s, CPU s)`` after one warm-up. The CPU time (all of
+    this process's threads) is the steadier figure on a machine shared with other work;
+    on CUDA it is the host's and means little."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def median(fn, repeats: int) -> float:
+    def median(fn, repeats: int) -> tuple[float, float]:
         fn()
         sync()
-        times = []
+        wall, cpu = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        return statistics.median(wall), statistics.median(cpu)
 
     return median
 
@@ -95,12 +99,17 @@ def mechanisms(n: int, bits: int, repeats: int) -> None:
     from loco_megatron.loco import cpu_kernels
 
     torch.set_num_threads(1)
-    median = _timer(torch.device("cpu"))
     n -= n % 256
     torch.manual_seed(0)
     grad, dst = torch.randn(n), torch.empty(n)
     err, err_s = torch.zeros(n // 256, 256, dtype=torch.int8), torch.zeros(n // 256)
-    copy_s = median(lambda: dst.copy_(grad), repeats)
+
+    timed = _timer(torch.device("cpu"))
+
+    def median(fn) -> tuple[float, float]:
+        return timed(fn, repeats)
+
+    copy_s, copy_cpu = median(lambda: dst.copy_(grad))
     ref = LoCoCompressor(n, bits=bits)
     ws = Workspace()
     compiled = _compile_reference(bits, 256)
@@ -113,10 +122,11 @@ def mechanisms(n: int, bits: int, repeats: int) -> None:
                                                                     scratch, scratch_s),
     }
     print(f"compress mechanisms, {n:,} fp32 elements, {bits}-bit, 1 thread, median of {repeats}; "
-          f"copy {n * 4 / 1e9 / copy_s:.2f} GB/s")
+          f"copy {n * 4 / 1e9 / copy_s:.2f} GB/s ({n * 4 / 1e9 / copy_cpu:.2f} GB/s of CPU time)")
     for name, fn in cases.items():
-        t = median(fn, repeats)
-        print(f"  {name:<40} {n * 4 / 1e9 / t:>7.2f} GB/s  {copy_s / t:>6.3f} x copy", flush=True)
+        t, c = median(fn)
+        print(f"  {name:<40} {n * 4 / 1e9 / t:>7.2f} GB/s  {copy_s / t:>6.3f} x copy;  CPU time: "
+              f"{copy_cpu / c:>6.3f} x copy", flush=True)
 
 
 def main() -> None:
@@ -152,9 +162,9 @@ def main() -> None:
     impls = [kernels] + (["torch"] if kernels != "torch" else [])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"LoCo {args.bits}-bit {kernels} kernels on {where}; W={args.world}, median of {args.repeats}; "
-          f"throughput = fp32 gradient bytes / time, ratio = copy time / time")
+          f"throughput = fp32 gradient bytes / wall time, ratio = copy time / time (wall; cpu: CPU time)")
     print(f"{'elements':>12} {'threads':>7} {'kernels':>7} {'copy GB/s':>10} {'compress GB/s':>14} {'ratio':>6} "
-          f"{'decomp+sum GB/s':>16} {'ratio':>6}")
+          f"{'cpu':>6} {'decomp+sum GB/s':>16} {'ratio':>6} {'cpu':>6}")
     ws = Workspace()
     for n in sizes:
         n -= n % args.world
@@ -168,16 +178,17 @@ def main() -> None:
         for t in threads:
             if t is not None:
                 torch.set_num_threads(t)
-            copy_s = median(lambda: dst.copy_(grad), args.repeats)
+            copy_s, copy_c = median(lambda: dst.copy_(grad), args.repeats)
             for impl in impls:
                 comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl)
-                comp_s = median(lambda: comp.compress(padded, ws), args.repeats)
+                comp_s, comp_c = median(lambda: comp.compress(padded, ws), args.repeats)
                 recv = layout.pack(*comp.compress(padded, ws))
                 decompress = _decompressor(impl)
-                dec_s = median(lambda: decompress(recv, layout, shard), args.repeats)
+                dec_s, dec_c = median(lambda: decompress(recv, layout, shard), args.repeats)
                 gb = n * 4 / 1e9
                 print(f"{n:>12,} {t or '-':>7} {impl:>7} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} "
-                      f"{copy_s / comp_s:>6.3f} {gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f}", flush=True)
+                      f"{copy_s / comp_s:>6.3f} {copy_c / comp_c:>6.3f} {gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f} "
+                      f"{copy_c / dec_c:>6.3f}", flush=True)
                 fast.setdefault(impl, []).append((t, comp_s, dec_s))
         if kernels != "torch":
             for (t, comp_s, dec_s), (_, ref_c, ref_d) in zip(fast[kernels], fast["torch"]):

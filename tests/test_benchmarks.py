@@ -34,7 +34,7 @@ def test_kernels_smoke(kernels):
     printed timings (the interpreter and a loaded machine make those arbitrary)."""
     out = _run(["benchmarks/kernels.py", "--smoke", "--kernels", kernels]).stdout.splitlines()
     assert f"{kernels} kernels" in out[0]
-    rows = [r for r in map(str.split, out) if len(r) == 8 and r[0].replace(",", "").isdigit()]
+    rows = [r for r in map(str.split, out) if len(r) == 10 and r[0].replace(",", "").isdigit()]
     impls = [kernels] if kernels == "torch" else [kernels, "torch"]
     want = [(n, t, k) for n in (65536, 262144) for t in ("1", "2") for k in impls]
     assert [(int(r[0].replace(",", "")), r[1], r[2]) for r in rows] == want

@@ -59,8 +59,8 @@ class ShardLayout:
         return row[: self.code_bytes], row[self.code_bytes:].contiguous().view(torch.float32)
 
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per slice of :func:`decompress_into`: its fp32 temporaries (1 MiB each) stay in
+CHUNK_ELEMENTS = 1 << 16
+"""Elements per slice of :func:`decompress_into`: its fp32 temporaries (256 KiB each) stay in
 cache and are reused, instead of shard-sized ones allocated (fresh pages, faulted in on
 first touch) and streamed through memory on every call."""
 
