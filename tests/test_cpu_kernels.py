@@ -40,14 +40,21 @@ def _assert_same_step(ref: LoCoCompressor, ref_out, err, err_s, got, tag):
     torch.testing.assert_close(ref.last_stats[finite], stats[finite], rtol=1e-4, atol=tiny)
 
 
+ISAS = [0, 1, 2]
+"""Instruction-set copies of the kernels (baseline, AVX2+FMA, AVX-512); one the CPU lacks
+runs the best it has."""
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "adversarial", "ties"])
-def test_compress_matches_reference(ext, bits, kind, one_pass):
+def test_compress_matches_reference(ext, bits, kind, one_pass, isa):
     """Guards against any divergence of the fused compress from the reference (rounding
     of ties, division vs reciprocal, denormal/zero blocks, 3e38, the FMA in the residual
     and error update, packing, int8 re-quantisation) over several steps, in both the
-    two-pass (in place) and the one-pass (int8 scratch) scheme, for a size off the block grid."""
+    two-pass (in place) and the one-pass (int8 scratch) scheme, for a size off the block
+    grid, in every instruction-set copy (a CPU of another kind runs another one)."""
     n = 2567
     nb = qz.num_blocks(n, 256)
     ref = LoCoCompressor(n, bits=bits)
@@ -55,7 +62,7 @@ def test_compress_matches_reference(ext, bits, kind, one_pass):
     scratch = (torch.empty_like(err), torch.empty_like(err_s)) if one_pass else (None, None)
     for step in range(3):
         g = _inputs(n, step)[kind]
-        got = cpu_kernels.compress(g, err, err_s, 0.8, bits, 256, n, *scratch)
+        got = cpu_kernels.compress(g, err, err_s, 0.8, bits, 256, n, *scratch, isa=isa)
         _assert_same_step(ref, ref.compress(g), err, err_s, got, (kind, step))
 
 
@@ -119,8 +126,9 @@ def test_non_finite_gradient_leaves_error_untouched(ext, bad, one_pass):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decompress_sum_matches_reference(ext, bits, out_dtype, monkeypatch):
     """Guards against wrong unpacking, scale offsets, summation order, scaling or casts in
-    the fused decompress-and-sum (bit-identical to the reference, padding of ``out``
-    untouched), and against the reference's slicing changing a bit (small slices forced)."""
+    the fused decompress-and-sum (bit-identical to the reference in every instruction-set
+    copy, padding of ``out`` untouched), and against the reference's slicing changing a
+    bit (small slices forced)."""
     world, shard = 3, 1700  # not a multiple of the block: padded shards, a partial last block
     layout = ShardLayout(world * shard, world, bits, 256)
     rows = []
@@ -137,10 +145,13 @@ def test_decompress_sum_matches_reference(ext, bits, out_dtype, monkeypatch):
     want = torch.full((shard + 5,), 42.0, dtype=out_dtype)
     want[:shard] = whole.mul_(1.0 / world)
     monkeypatch.setattr(collectives, "CHUNK_ELEMENTS", 512)
-    ref, got = want.clone().fill_(42.0), want.clone().fill_(42.0)
+    ref = want.clone().fill_(42.0)
     decompress_into(recv, layout, ref[:shard], 1.0 / world)
-    cpu_kernels.decompress_sum(recv, layout, got[:shard], 1.0 / world)
-    assert torch.equal(want, ref) and torch.equal(want, got)
+    assert torch.equal(want, ref)
+    for isa in ISAS:
+        got = want.clone().fill_(42.0)
+        cpu_kernels.decompress_sum(recv, layout, got[:shard], 1.0 / world, isa=isa)
+        assert torch.equal(want, got), isa
 
 
 def test_kernel_selection_and_fallback(ext, capsys):

@@ -64,7 +64,8 @@ def unsupported(bits: int, block_size: int, error_bits: int, error_feedback: boo
 
 def compress(g: torch.Tensor, err: Optional[torch.Tensor], err_scales: Optional[torch.Tensor], beta: float,
              bits: int, block_size: int, numel: int, err_scratch: Optional[torch.Tensor] = None,
-             err_scales_scratch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             err_scales_scratch: Optional[torch.Tensor] = None, isa: int = -1
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused LoCo step of ``g`` (contiguous fp32/bf16 ``[rows, S]``, or 1-D = one row;
     each row is treated as zero-padded to ``P = ceil(S/B)*B``, no copy is made).
 
@@ -74,16 +75,20 @@ def compress(g: torch.Tensor, err: Optional[torch.Tensor], err_scales: Optional[
     finite; without, two passes (scales first, then codes and the error in place).
     Returns ``(codes uint8 [rows*P*bits/8], scales fp32 [rows*P/B], stats fp32 [4])``,
     ``stats = (sum e'^2, sum resid^2, sum h^2, numel)``, zeros when not finite.
-    Needs :func:`extension` to have built (callers check it once, up front).
+    ``isa`` forces a lower instruction-set copy (0 baseline, 1 AVX2+FMA, 2 AVX-512; tests);
+    -1 (and anything the CPU lacks) runs the best one. Needs :func:`extension` to have
+    built (callers check it once, up front).
     """
     empty = torch.empty(0)
     pick = (lambda t: empty if t is None else t)
     one_pass = err is None or err_scratch is not None
     return tuple(extension().compress(g.contiguous(), pick(err), pick(err_scales), float(beta), bits, block_size,
-                              not one_pass, pick(err_scratch), pick(err_scales_scratch), float(numel)))
+                              not one_pass, pick(err_scratch), pick(err_scales_scratch), float(numel),
+                                          isa))
 
 
-def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0) -> None:
+def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0, isa: int = -1) -> None:
     """``out = scale * sum_r D(recv[r])`` (rank order, fp32 sums) for uint8 ``[W, row_bytes]``
     ``recv``; the contract of :func:`.collectives.decompress_into`, bit-identical to it."""
-    extension().decompress_sum(recv, layout.code_bytes, layout.shard, layout.bits, layout.block_size, out, float(scale))
+    extension().decompress_sum(recv, layout.code_bytes, layout.shard, layout.bits, layout.block_size, out,
+                               float(scale), isa)

@@ -51,6 +51,7 @@ struct CompressArgs {
   float* scales;          // [nb]
   float beta, omb;        // beta and (1 - beta), each rounded to fp32 as torch does
   double* partials;       // [num_chunks, 3]
+  int isa;                // isa_level() or lower (tests run every copy)
 };
 
 LOCO_INLINE float bf16_to_float(uint16_t v) {
@@ -234,7 +235,7 @@ __attribute__((flatten)) void run_chunk_base(const CompressArgs& a, int64_t b0, 
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 void run_all(const CompressArgs& a, int64_t nb, bool scales_only) {
   const int64_t chunks = (nb + kChunkBlocks - 1) / kChunkBlocks;
-  const int isa = isa_level();
+  const int isa = a.isa;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b0 = c * kChunkBlocks, b1 = std::min(nb, b0 + kChunkBlocks);
@@ -279,17 +280,23 @@ bool all_finite(const float* s, int64_t n) {
   return !bad;
 }
 
+// The instruction-set copy to run: `requested` when the CPU has it (tests force each
+// copy), else the best the CPU has.
+int pick_isa(int64_t requested) {
+  return requested >= 0 && requested <= isa_level() ? static_cast<int>(requested) : isa_level();
+}
+
 // Compress g ([rows, S] or [N] = one row; each row zero-padded to whole blocks).
 // err/err_scales: int8 [nb, B] / fp32 [nb], updated in place when every scale of the
 // buffer is finite (else left exactly as they were); undefined tensors = no error
 // feedback. two_pass: scales first (whole-buffer verdict), then codes and the error in
 // place; otherwise one pass into err_scratch/err_s_scratch, copied over when finite.
 // Returns (codes uint8, scales fp32 [nb], stats fp32 [4] = (sum e'^2, sum resid^2,
-// sum h^2, numel_stat), all zero when not finite).
+// sum h^2, numel_stat), all zero when not finite). isa: -1 = the best copy (see pick_isa).
 std::vector<at::Tensor> compress(const at::Tensor& g, const at::Tensor& err, const at::Tensor& err_scales,
                                  double beta, int64_t bits, int64_t block_size, bool two_pass,
                                  const at::Tensor& err_scratch, const at::Tensor& err_s_scratch,
-                                 double numel_stat) {
+                                 double numel_stat, int64_t isa) {
   TORCH_CHECK(g.device().is_cpu() && g.is_contiguous(), "g must be a contiguous CPU tensor");
   TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16, "g must be fp32 or bf16");
   TORCH_CHECK(g.dim() == 1 || g.dim() == 2, "g must be 1-D or 2-D");
@@ -317,7 +324,7 @@ std::vector<at::Tensor> compress(const at::Tensor& g, const at::Tensor& err, con
                  has_err ? err.data_ptr<int8_t>() : nullptr,
                  has_err ? err_scales.data_ptr<float>() : nullptr,
                  nullptr, nullptr, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                 static_cast<float>(beta), static_cast<float>(1.0 - beta), partials.data()};
+                 static_cast<float>(beta), static_cast<float>(1.0 - beta), partials.data(), pick_isa(isa)};
   const bool bf16 = g.scalar_type() == at::kBFloat16;
   bool finite;
   if (two_pass) {
@@ -363,6 +370,7 @@ struct DecompArgs {
   float scale;
   bool apply_scale;
   void* out;
+  int isa;
 };
 
 template <typename OUT, int BITS>
@@ -423,7 +431,7 @@ __attribute__((flatten)) void decomp_base(const DecompArgs& a, int64_t b0, int64
 
 template <typename OUT, int BITS>
 void decomp_all(const DecompArgs& a, int64_t nb) {
-  const int isa = isa_level();
+  const int isa = a.isa;
   at::parallel_for(0, nb, kChunkBlocks, [&](int64_t b0, int64_t b1) {
     if (isa == 2) decomp_avx512<OUT, BITS>(a, b0, b1);
     else if (isa == 1) decomp_avx2<OUT, BITS>(a, b0, b1);
@@ -441,14 +449,14 @@ void decomp_bits(const DecompArgs& a, int64_t nb, int64_t bits) {
 
 // out (shard elements, fp32/bf16/fp16) = scale * sum over r in rank order of D(recv[r]).
 void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, int64_t bits, int64_t block_size,
-                    at::Tensor out, double scale) {
+                    at::Tensor out, double scale, int64_t isa) {
   TORCH_CHECK(recv.device().is_cpu() && recv.is_contiguous() && recv.scalar_type() == at::kByte && recv.dim() == 2,
               "recv must be contiguous uint8 [W, row_bytes] on CPU");
   TORCH_CHECK(out.is_contiguous() && out.numel() == shard, "out must be contiguous with ", shard, " elements");
   TORCH_CHECK(block_size > 0 && block_size % 8 == 0 && block_size <= kMaxBlock, "unsupported block_size");
   const int64_t nb = (shard + block_size - 1) / block_size;
   DecompArgs a{recv.data_ptr<uint8_t>(), recv.size(0), recv.size(1), code_bytes, shard, block_size,
-               static_cast<float>(scale), scale != 1.0, out.data_ptr()};
+               static_cast<float>(scale), scale != 1.0, out.data_ptr(), pick_isa(isa)};
   switch (out.scalar_type()) {
     case at::kFloat: decomp_bits<float>(a, nb, bits); break;
     case at::kBFloat16: decomp_bits<c10::BFloat16>(a, nb, bits); break;
@@ -459,13 +467,10 @@ void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, i
 
 }  // namespace
 
-std::string isa() {
-  const int level = isa_level();
-  return level == 2 ? "avx512" : level == 1 ? "avx2+fma" : "baseline";
-}
+int64_t isa() { return isa_level(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "LoCo fused compress (see loco_cpu.cpp)");
   m.def("decompress_sum", &decompress_sum, "LoCo fused decompress-and-sum");
-  m.def("isa", &isa, "the instruction set the kernels run with");
+  m.def("isa", &isa, "the best instruction-set copy this CPU runs: 2 AVX-512, 1 AVX2+FMA, 0 baseline");
 }
