@@ -2,7 +2,8 @@
 """LoCo compress and decompress-and-sum throughput vs memory-copy bandwidth.
 
 For bucket sizes from 1M to 100M fp32 elements (``--sizes 1M,...,256M`` on a GPU) it
-times, on the GPU when one is present (else the CPU, with all of torch's threads):
+times, on the GPU when one is present (else the CPU, with 1 and 2 of torch's threads,
+``--threads``), the selected kernels and the torch reference side by side:
 
 * ``copy``: ``dst.copy_(grad)`` of the bucket (the machine's memory-copy speed on the
   same bytes);
@@ -17,6 +18,7 @@ what the targets are stated in. Median of ``--repeats`` runs after one warm-up.
     python benchmarks/kernels.py
     python benchmarks/kernels.py --sizes 1M,16M --bits 2
     python benchmarks/kernels.py --smoke
+    python benchmarks/kernels.py --mechanisms --sizes 16M   # torch vs torch.compile vs C++, 1 thread
 """
 
 from __future__ import annotations
@@ -45,22 +47,86 @@ def _size(text: str) -> int:
 
 
 def _timer(device: torch.device):
+    """``median(fn, repeats) -> (wall s, CPU s)`` after one warm-up. The CPU time (all of
+    this process's threads) is the steadier figure on a machine shared with other work;
+    on CUDA it is the host's and means little."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def median(fn, repeats: int) -> float:
+    def median(fn, repeats: int) -> tuple[float, float]:
         fn()
         sync()
-        times = []
+        wall, cpu = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        return statistics.median(wall), statistics.median(cpu)
 
     return median
+
+
+def _compile_reference(bits: int, block_size: int, beta: float = 0.8):
+    """``torch.compile`` of the reference compress maths (int8 error), for the mechanism
+    comparison: ``step(g, err, err_scales) -> (codes, scales, new_err, new_err_scales)``."""
+    from loco_megatron.loco import quantize as qz
+
+    m = float(qz.qmax(bits))
+
+    def codes(x, s, mx):
+        d = torch.where(s > 0, s, torch.full_like(s, float("inf"))).unsqueeze(1)
+        return torch.div(x, d).round().clamp(-mx, mx).nan_to_num(0.0)
+
+    def step(g, err, err_s):
+        gb = g.view(-1, block_size)
+        h = err.float() * err_s.unsqueeze(1) + gb
+        s = h.abs().amax(dim=1) / m
+        q = codes(h, s, m)
+        packed = qz.pack_codes(q.to(torch.int8), bits)
+        resid = torch.addcmul(h, q, s.unsqueeze(1), value=-1.0)
+        new_e = (h - gb) * beta + resid * (1.0 - beta)
+        s8 = new_e.abs().amax(dim=1) / 127.0
+        return packed, s, codes(new_e, s8, 127.0).to(torch.int8), s8
+
+    return torch.compile(step, dynamic=False)
+
+
+def mechanisms(n: int, bits: int, repeats: int) -> None:
+    """Compress of ``n`` elements on one thread by each candidate mechanism, vs copy."""
+    from loco_megatron.loco import cpu_kernels
+
+    torch.set_num_threads(1)
+    n -= n % 256
+    torch.manual_seed(0)
+    grad, dst = torch.randn(n), torch.empty(n)
+    err, err_s = torch.zeros(n // 256, 256, dtype=torch.int8), torch.zeros(n // 256)
+
+    timed = _timer(torch.device("cpu"))
+
+    def median(fn) -> tuple[float, float]:
+        return timed(fn, repeats)
+
+    copy_s, copy_cpu = median(lambda: dst.copy_(grad))
+    ref = LoCoCompressor(n, bits=bits)
+    ws = Workspace()
+    compiled = _compile_reference(bits, 256)
+    scratch, scratch_s = torch.empty_like(err), torch.empty_like(err_s)
+    cases = {
+        "torch reference": lambda: ref.compress(grad, ws),
+        "torch.compile of the reference maths": lambda: compiled(grad, err, err_s),
+        "C++ two passes (no scratch)": lambda: cpu_kernels.compress(grad, err, err_s, 0.8, bits, 256, n),
+        "C++ one pass + int8 scratch": lambda: cpu_kernels.compress(grad, err, err_s, 0.8, bits, 256, n,
+                                                                    scratch, scratch_s),
+    }
+    print(f"compress mechanisms, {n:,} fp32 elements, {bits}-bit, 1 thread, median of {repeats}; "
+          f"copy {n * 4 / 1e9 / copy_s:.2f} GB/s ({n * 4 / 1e9 / copy_cpu:.2f} GB/s of CPU time)")
+    for name, fn in cases.items():
+        t, c = median(fn)
+        print(f"  {name:<40} {n * 4 / 1e9 / t:>7.2f} GB/s  {copy_s / t:>6.3f} x copy;  CPU time: "
+              f"{copy_cpu / c:>6.3f} x copy", flush=True)
 
 
 def main() -> None:
@@ -70,26 +136,35 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8, help="ranks a bucket is reduce-scattered over")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
-                    help="auto: the fused Triton kernels on CUDA when triton is installed (with the torch "
-                         "reference timed alongside for the speedup), else torch")
+    ap.add_argument("--kernels", choices=("auto", "torch", "triton", "cpu"), default="auto",
+                    help="auto: the fused Triton kernels on CUDA, the fused C++ kernels on CPU (each with the "
+                         "torch reference timed alongside for the speedup), else torch")
+    ap.add_argument("--threads", default="1,2",
+                    help="CPU: torch thread counts to time (the kernels' scaling); ignored on CUDA")
+    ap.add_argument("--mechanisms", action="store_true",
+                    help="instead: compare torch, torch.compile and the C++ kernels (one and two passes) on "
+                         "compress of the first size, one thread")
     ap.add_argument("--smoke", action="store_true", help="two tiny sizes, one repeat")
     args = ap.parse_args()
     if args.smoke:
         args.sizes, args.repeats = "64K,256K", 1
+    sizes = [_size(s) for s in args.sizes.split(",") if s]
+    if args.mechanisms:
+        return mechanisms(sizes[0], args.bits, args.repeats)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         kernels = resolve_kernels(args.kernels, device.type, os.environ.get("TRITON_INTERPRET") == "1",
                                   args.bits, 256, 8, True)
+        threads = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [None]
     except ValueError as e:
         sys.exit(f"error: {e}")
-    sizes = [_size(s) for s in args.sizes.split(",") if s]
     median = _timer(device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU, {torch.get_num_threads()} threads"
-    print(f"LoCo {args.bits}-bit {kernels} kernels on {where}; W={args.world}, median of {args.repeats}")
-    print(f"{'elements':>12} {'copy GB/s':>10} {'compress GB/s':>14} {'ratio':>6} "
-          f"{'decomp+sum GB/s':>16} {'ratio':>6}")
+    impls = [kernels] + (["torch"] if kernels != "torch" else [])
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"LoCo {args.bits}-bit {kernels} kernels on {where}; W={args.world}, median of {args.repeats}; "
+          f"throughput = fp32 gradient bytes / wall time, ratio = copy time / time (wall; cpu: CPU time)")
+    print(f"{'elements':>12} {'threads':>7} {'kernels':>7} {'copy GB/s':>10} {'compress GB/s':>14} {'ratio':>6} "
+          f"{'cpu':>6} {'decomp+sum GB/s':>16} {'ratio':>6} {'cpu':>6}")
     ws = Workspace()
     for n in sizes:
         n -= n % args.world
@@ -99,28 +174,42 @@ def main() -> None:
         layout = ShardLayout(n, args.world, args.bits, 256)
         padded = layout.padded(grad).reshape(-1)
         shard = torch.empty(layout.shard, device=device)
-        copy_s = median(lambda: dst.copy_(grad), args.repeats)
+        fast: dict = {}
+        for t in threads:
+            if t is not None:
+                torch.set_num_threads(t)
+            copy_s, copy_c = median(lambda: dst.copy_(grad), args.repeats)
+            for impl in impls:
+                comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl)
+                comp_s, comp_c = median(lambda: comp.compress(padded, ws), args.repeats)
+                recv = layout.pack(*comp.compress(padded, ws))
+                decompress = _decompressor(impl)
+                dec_s, dec_c = median(lambda: decompress(recv, layout, shard), args.repeats)
+                gb = n * 4 / 1e9
+                print(f"{n:>12,} {t or '-':>7} {impl:>7} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} "
+                      f"{copy_s / comp_s:>6.3f} {copy_c / comp_c:>6.3f} {gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f} "
+                      f"{copy_c / dec_c:>6.3f}", flush=True)
+                fast.setdefault(impl, []).append((t, comp_s, dec_s))
+        if kernels != "torch":
+            for (t, comp_s, dec_s), (_, ref_c, ref_d) in zip(fast[kernels], fast["torch"]):
+                print(f"{'':>12} {t or '-':>7} speedup of {kernels} over the torch reference: "
+                      f"compress {ref_c / comp_s:.1f}x, decompress+sum {ref_d / dec_s:.1f}x", flush=True)
+        if len(threads) > 1:
+            (t0, c0, d0), (t1, c1, d1) = fast[kernels][0], fast[kernels][-1]
+            print(f"{'':>12} {kernels} scaling {t0} -> {t1} threads: compress {c0 / c1:.2f}x, "
+                  f"decompress+sum {d0 / d1:.2f}x", flush=True)
 
-        def measure(impl: str) -> tuple[float, float]:
-            comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl)
-            comp_s = median(lambda: comp.compress(padded, ws), args.repeats)
-            recv = layout.pack(*comp.compress(padded, ws))
-            if impl == "triton":
-                from loco_megatron.loco import triton_kernels
 
-                dec_s = median(lambda: triton_kernels.decompress_sum(recv, layout, shard), args.repeats)
-            else:
-                dec_s = median(lambda: decompress_into(recv, layout, shard), args.repeats)
-            return comp_s, dec_s
+def _decompressor(impl: str):
+    if impl == "triton":
+        from loco_megatron.loco import triton_kernels
 
-        comp_s, dec_s = measure(kernels)
-        gb = n * 4 / 1e9
-        print(f"{n:>12,} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} {copy_s / comp_s:>6.3f} "
-              f"{gb / dec_s:>16.2f} {copy_s / dec_s:>6.3f}", flush=True)
-        if kernels == "triton":
-            ref_c, ref_d = measure("torch")
-            print(f"{'':>12} speedup over the torch reference: compress {ref_c / comp_s:.1f}x, "
-                  f"decompress+sum {ref_d / dec_s:.1f}x", flush=True)
+        return triton_kernels.decompress_sum
+    if impl == "cpu":
+        from loco_megatron.loco import cpu_kernels
+
+        return cpu_kernels.decompress_sum
+    return decompress_into
 
 
 if __name__ == "__main__":

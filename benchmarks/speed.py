@@ -14,9 +14,16 @@ For each topology (``NODESxRANKS``) and inter-node link it trains the same GPT f
     sudo python benchmarks/speed.py --out results/speed            # the full study
     sudo python benchmarks/speed.py --smoke --out /tmp/speed-smoke # seconds-scale check
 
-All variants train in bf16 with fp32 main weights (``--bf16``); "fp32 reduce-scatter"
-is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
-``--grad-reduce-in-bf16``, LoCo compresses the fp32 buffer. A 1-node topology has no
+All variants train in one compute dtype, ``--dtype`` (default ``auto``: one matmul of
+the model's shape is timed in fp32 and in bf16 on one thread at start and the faster
+wins; a CPU without native bf16 arithmetic runs bf16 many times slower, which would
+swamp every ratio). The dtype and both probe times are printed and written at the top of
+``speed.md``. With bf16, weights are bf16 with fp32 main weights (``--bf16``). "fp32
+reduce-scatter" is megatron's default fp32 gradient buffer, "bf16 reduce-scatter" adds
+``--grad-reduce-in-bf16`` (megatron-core needs bf16 parameters for that, so with fp32
+compute this one variant trains in bf16 and says so in its label); the ratios are to
+the baseline of the compute dtype (bf16 reduce-scatter, or fp32 with fp32 compute), and
+both baselines stay side by side in the table. LoCo compresses the fp32 buffer. A 1-node topology has no
 inter-node link, so it runs once, unshaped. With several ranks per node LoCo runs
 two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
 ``loco4flat`` is the flat all-to-all for comparison; ``loco4p8`` / ``loco4p4`` add 8-/4-bit
@@ -30,8 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
+from typing import Callable
+
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
@@ -55,11 +66,41 @@ VARIANTS = {
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
 # on a 1 Gbit/s link, small enough for a 2-core CPU.
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
-         "--micro-batch-size", "1", "--bf16", "--lr", "3e-4",
+         "--micro-batch-size", "1", "--lr", "3e-4",
          "--lr-warmup-iters", "2", "--eval-interval", "0", "--ddp-bucket-size", "4000000", "--overlap-param-gather"]
 SMOKE_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-               "--micro-batch-size", "1", "--bf16", "--lr-warmup-iters", "1",
+               "--micro-batch-size", "1", "--lr-warmup-iters", "1",
                "--eval-interval", "0", "--ddp-bucket-size", "40000"]
+
+
+def _matmul_seconds(dtype: torch.dtype, shape: tuple[int, int, int] = (128, 512, 2048), repeats: int = 5) -> float:
+    """Median time of one ``[m, k] @ [k, n]`` matmul in ``dtype`` on one thread (the
+    model's MLP shape: 128 tokens, hidden 512, 4x hidden)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m, k, n = shape
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pick_dtype(choice: str, probe: Callable[[torch.dtype], float] = _matmul_seconds) -> tuple[str, str]:
+    """``(dtype, note)``: ``choice`` if given, else whichever of fp32/bf16 ``probe`` times
+    faster; the note says why, with the figures."""
+    if choice != "auto":
+        return choice, f"compute dtype {choice} (--dtype)"
+    fp32, bf16 = probe(torch.float32), probe(torch.bfloat16)
+    dtype = "bf16" if bf16 <= fp32 else "fp32"
+    return dtype, (f"compute dtype {dtype} (auto: one matmul takes {fp32 * 1e3:.2f} ms in fp32, "
+                   f"{bf16 * 1e3:.2f} ms in bf16 on one thread)")
 
 
 def _topology(spec: str) -> tuple[int, int]:
@@ -104,16 +145,17 @@ def run_one(out: pathlib.Path, name: str, nodes: int, ranks: int, link: str, del
     return metrics, (end_tx - mark["tx"]) / (nodes * ranks) / (last - mark["it"])
 
 
-def table(groups: dict) -> str:
-    """One markdown table per (topology, link) group."""
+def table(groups: dict, baseline: str = "bf16") -> str:
+    """One markdown table per (topology, link) group; ratios to the ``baseline`` variant."""
     out = []
     for (topo, link), rows in groups.items():
-        base = next((r for r in rows if r["key"] == "bf16"), rows[0])
+        base = next((r for r in rows if r["key"] == baseline), rows[0])
+        ref = base["label"].split(" (")[0]
         out.append(f"\n### {topo} ({'unshaped loopback' if link == 'none' else 'inter-node link ' + link})\n")
         out.append("| gradient sync | median step (s) | tokens/s | comm total / step (ms) | comm exposed / step (ms) "
                    "| compress / decompress (ms) | grad bytes / rank / step | of which to other nodes "
                    "| param bytes / rank / step "
-                   "| step vs bf16 | comm total vs bf16 | speedup vs bf16 |")
+                   f"| step vs {ref} | comm total vs {ref} | speedup vs {ref} |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             comm_ratio = r["comm_total_s"] / base["comm_total_s"] if base["comm_total_s"] else float("nan")
@@ -137,6 +179,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help=f"subset of {','.join(VARIANTS)} (default: all)")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="compute dtype of every run (auto: the faster one in a matmul probe at start)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 steps, 2x1 at 1gbit (bf16 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
@@ -153,7 +197,9 @@ def main() -> None:
         sys.exit(f"error: the simulated cluster {reason}")
     out = pathlib.Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    model = SMOKE_MODEL if args.smoke else MODEL
+    dtype, dtype_note = pick_dtype(args.dtype)
+    print(dtype_note, flush=True)
+    model = [*(SMOKE_MODEL if args.smoke else MODEL), *(["--bf16"] if dtype == "bf16" else [])]
     if args.data_cache_path:
         model = [*model, "--data-cache-path", args.data_cache_path]
     log_interval = 1 if args.smoke else 5
@@ -169,6 +215,8 @@ def main() -> None:
                 if v == "loco4flat" and not (nodes > 1 and ranks > 1):
                     continue  # two-hop only differs with several nodes of several ranks
                 label, flags = VARIANTS[v]
+                if "--grad-reduce-in-bf16" in flags and dtype != "bf16":
+                    label, flags = f"{label} (bf16 compute)", [*flags, "--bf16"]  # megatron needs bf16 params
                 name = f"{topo}_{link}_{v}"
                 # One micro batch per rank per step: the same compute per rank on every topology.
                 run_args = [*model, *flags, "--global-batch-size", str(nodes * ranks), "--train-iters",
@@ -186,9 +234,9 @@ def main() -> None:
                 files.append(str(path))
             groups[(topo, link)] = rows
             compare_runs.compare(files, str(out / "plots" / f"{topo}_{link}"), [r["label"] for r in rows])
-    md = table(groups)
+    md = table(groups, baseline=dtype)
     header = (f"# Speed: {args.iters} steps per run, variants {', '.join(variants)}; "
-              f"netem delay on shaped links: {args.delay or 'none'}\n")
+              f"netem delay on shaped links: {args.delay or 'none'}; {dtype_note}\n")
     (out / "speed.md").write_text(header + md)
     (out / "wire_bytes.json").write_text(json.dumps(wire_bytes, indent=1))
     print(header + md)

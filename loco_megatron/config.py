@@ -335,7 +335,9 @@ class LoCoConfig:
     """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
     loco_kernels: str = "auto"
     """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
-    installed and the shape is supported, else torch), torch (the reference) or triton."""
+    installed and the shape is supported; the fused C++ kernels on CPU when they build;
+    else torch), torch (the reference), triton, or cpu (falls back to torch, with one
+    line, when no C++ compiler is present)."""
     param_gather_bits: int = 0
     """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
     dtype), 8 or 4 = block-wise quantised differences against the parameters every rank
@@ -346,8 +348,8 @@ class LoCoConfig:
                  f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
         _require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",
                  "must be >= 1")
-        _require(self.loco_kernels in ("auto", "torch", "triton"), "loco_kernels",
-                 f"{self.loco_kernels!r} is not one of auto, torch, triton")
+        _require(self.loco_kernels in ("auto", "torch", "triton", "cpu"), "loco_kernels",
+                 f"{self.loco_kernels!r} is not one of auto, torch, triton, cpu")
         _require(self.loco_bits in (0, 2, 4, 8), "loco_bits", f"{self.loco_bits} is not one of 0, 2, 4, 8")
         _require(0.0 <= self.loco_beta < 1.0, "loco_beta", f"{self.loco_beta} is not in [0, 1)")
         _require(self.loco_block_size > 0 and self.loco_block_size % 8 == 0, "loco_block_size",

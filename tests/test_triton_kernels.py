@@ -128,8 +128,8 @@ def test_decompress_sum_matches_reference(tk, bits, out_dtype):
 def test_kernel_selection():
     """Guards against silently running the slow interpreter, or failing with a traceback,
     when --loco-kernels asks for something this machine cannot do."""
-    assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "torch"
-    assert resolve_kernels("auto", "cpu", True, 4, 256, 8, True) == "torch"  # never auto-interpret
+    assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "cpu"  # the C++ kernels on CPU
+    assert resolve_kernels("auto", "cpu", True, 4, 256, 8, True) == "cpu"  # never auto-interpret
     assert resolve_kernels("torch", "cuda", False, 4, 256, 8, True) == "torch"
     assert resolve_kernels("auto", "cuda", False, 4, 192, 8, True) == "torch"  # unsupported shape
     assert resolve_kernels("triton", "cpu", True, 4, 256, 8, True) == "triton"

@@ -110,23 +110,50 @@ class ShardLayout:
         return row[: self.code_bytes], row[self.code_bytes:].contiguous().view(torch.float32)
 
 
-def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """fp32 ``[S]``: the sum over ranks, in rank order, of the dequantised rows of ``recv``."""
-    acc = None
-    for r in range(layout.world):
-        codes, scales = layout.unpack_row(recv[r])
-        part = qz.dequantize_blockwise(codes, scales, layout.bits, layout.block_size, layout.shard)
-        acc = part if acc is None else acc.add_(part)
-    return acc
+CHUNK_ELEMENTS = 1 << 16
+"""Elements per slice of :func:`decompress_into`: its fp32 temporaries (256 KiB each) stay in
+cache and are reused, instead of shard-sized ones allocated (fresh pages, faulted in on
+first touch) and streamed through memory on every call."""
 
 
 def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, scale: float = 1.0) -> None:
-    """``out = scale * decompress_sum(recv)``, cast to ``out``'s dtype (the reference path);
-    ``out`` may be shorter than ``layout.shard`` (a ragged last row): its prefix is written."""
-    total = decompress_sum(recv, layout)
-    if scale != 1.0:
-        total.mul_(scale)
-    out.copy_(total[: out.numel()])
+    """``out = scale * sum_r D(row r of recv)``, summed in fp32 in rank order and cast to
+    ``out``'s dtype (the reference path). ``out`` may be shorter than ``layout.shard``
+    (a ragged last row): only its prefix is written.
+
+    Works through the shard in slices of whole blocks (:data:`CHUNK_ELEMENTS`); every
+    element sees the same fp32 operations in the same order as a whole-shard
+    ``acc = part_0; acc += part_r; acc *= scale`` would, so the slicing changes no bit.
+    """
+    B, bits = layout.block_size, layout.bits
+    step = max(1, CHUNK_ELEMENTS // B)  # blocks per slice
+    nblk_total = layout.shard_blocks
+    scales = [layout.unpack_row(recv[r])[1] for r in range(layout.world)]
+    acc_buf = torch.empty(min(step, nblk_total) * B, dtype=torch.float32, device=recv.device)
+    part_buf = torch.empty_like(acc_buf)
+    for b0 in range(0, nblk_total, step):
+        nb = min(step, nblk_total - b0)
+        acc, part = acc_buf[: nb * B].view(nb, B), part_buf[: nb * B].view(nb, B)
+        lo, hi = b0 * B * bits // 8, (b0 + nb) * B * bits // 8
+        for r in range(layout.world):
+            q = qz.unpack_codes(recv[r, lo:hi], bits, B).view(nb, B)
+            torch.mul(q, scales[r][b0:b0 + nb].unsqueeze(1), out=acc if r == 0 else part)
+            if r:
+                acc.add_(part)
+        if scale != 1.0:
+            acc.mul_(scale)
+        start = b0 * B
+        n = min(nb * B, out.numel() - start)
+        if n <= 0:
+            break
+        out[start:start + n].copy_(acc.view(-1)[:n])
+
+
+def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """fp32 ``[S]``: the sum over ranks, in rank order, of the dequantised rows of ``recv``."""
+    out = torch.empty(layout.shard, dtype=torch.float32, device=recv.device)
+    decompress_into(recv, layout, out)
+    return out
 
 
 def gather_rows(buffer: torch.Tensor, mine: torch.Tensor, layout: ShardLayout, group,

@@ -17,7 +17,7 @@ scales still carry the overflow to the receiver.
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,11 +25,28 @@ from loco_megatron.loco import quantize as qz
 
 
 def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
-                    error_bits: int, error_feedback: bool) -> str:
-    """``"torch"`` or ``"triton"`` for ``--loco-kernels choice``; ValueError (one line,
-    naming the reason) when ``triton`` is asked for and cannot run."""
+                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None) -> str:
+    """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
+    line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
+
+    ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
+    ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
+    line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
+    """
     if choice == "torch":
         return "torch"
+    if choice == "cpu" or (choice == "auto" and device_type == "cpu"):
+        from loco_megatron.loco import cpu_kernels
+
+        why = cpu_kernels.unsupported(bits, block_size, error_bits, error_feedback)
+        if device_type != "cpu":
+            why = f"needs a CPU device, got {device_type}"
+        if why is not None:
+            if choice == "auto":
+                return "torch"
+            raise ValueError(f"--loco-kernels cpu {why}")
+        built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
+        return "cpu" if built is not None else "torch"
     why = None
     if importlib.util.find_spec("triton") is None:
         why = "triton is not installed (pip install -r requirements-triton.txt)"
@@ -108,10 +125,15 @@ class LoCoCompressor:
             raise ValueError(f"error_bits must be 8, 16 or 32, got {error_bits}")
         if block_size <= 0 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
-        if kernels not in ("torch", "triton"):
-            raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
-        if kernels == "triton" and error_feedback and error_bits != 8:
-            raise ValueError("the Triton kernels store the error in int8 only (error_bits=8)")
+        if kernels not in ("torch", "triton", "cpu"):
+            raise ValueError(f"kernels must be 'torch', 'triton' or 'cpu', got {kernels!r}")
+        if kernels != "torch" and error_feedback and error_bits != 8:
+            raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
+        if kernels == "cpu":
+            from loco_megatron.loco import cpu_kernels
+
+            if cpu_kernels.extension() is None:
+                raise ValueError("the C++ CPU kernels are unavailable here (see the line above); use kernels='torch'")
         if rows < 1 or chunk_elements < block_size:
             raise ValueError(f"rows must be >= 1 and chunk_elements >= block_size, got {rows}, {chunk_elements}")
         self.kernels = kernels
@@ -175,9 +197,14 @@ class LoCoCompressor:
         return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
 
     def workspace_nbytes(self) -> int:
-        """Scratch the torch path asks of its :class:`Workspace` (two fp32 chunks)."""
-        if self.kernels == "triton":  # int8 new error + its scales + 3 fp32 sums per block
-            return self.num_blocks * (self.block_size + 4 + 12) if self._err is not None else self.num_blocks * 12
+        """Scratch this compressor asks of its :class:`Workspace`: two fp32 chunks (torch),
+        or the int8 new error and its scales (the fused kernels; Triton adds 3 fp32 sums
+        per block)."""
+        new_err = self.num_blocks * (self.block_size + 4) if self._err is not None else 0
+        if self.kernels == "triton":
+            return new_err + self.num_blocks * 12
+        if self.kernels == "cpu":
+            return new_err
         return 2 * 4 * min(self.chunk_blocks, self.num_blocks) * self.block_size
 
     # -- the algorithm ---------------------------------------------------------------
@@ -238,6 +265,8 @@ class LoCoCompressor:
         ws = workspace or Workspace()
         if self.kernels == "triton":
             return self._compress_triton(grad, ws)
+        if self.kernels == "cpu":
+            return self._compress_cpu(grad, ws)
         flat, dev = grad.reshape(-1), grad.device
         chunks = self._chunks()
         cb = min(self.chunk_blocks, self.num_blocks)
@@ -300,6 +329,32 @@ class LoCoCompressor:
             torch.where(finite, new_scales, self._err_scales, out=self._err_scales)
         sums = torch.cat([stats.sum(dim=0), torch.tensor([float(self.numel)], device=dev)])
         self.last_stats = torch.where(finite, sums, torch.zeros(4, device=dev))
+        self.step += 1
+        return codes, scales
+
+    def _compress_cpu(self, grad: torch.Tensor, ws: "Workspace") -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step as :meth:`compress` in the fused C++ kernel (see :mod:`.cpu_kernels`).
+
+        The flat ``grad`` is split into this compressor's rows inside the kernel (each
+        padded to whole blocks, a ragged last row included). One pass over ``grad``, the
+        new error going to an int8 scratch from the workspace (1 byte per element of the
+        largest bucket, shared by all buckets) that is copied over the error when every
+        scale is finite: measured faster than the scratch-free two-pass scheme (README,
+        "Fused kernels").
+        """
+        from loco_megatron.loco import cpu_kernels
+
+        g = grad.reshape(-1)
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            g = g.float()
+        scratch = (None, None)
+        if self._err is not None:
+            shape = (self.num_blocks, self.block_size)
+            scratch = (ws.get("new_err", shape, g.device, torch.int8),
+                       ws.get("new_err_scales", (self.num_blocks,), g.device))
+        codes, scales, self.last_stats = cpu_kernels.compress(
+            g, self._err, self._err_scales, self.beta, self.bits, self.block_size, self.numel, *scratch,
+            rows=self.rows)
         self.step += 1
         return codes, scales
 

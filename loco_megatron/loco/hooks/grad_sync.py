@@ -90,6 +90,10 @@ class GradSyncHook:
             from loco_megatron.loco import triton_kernels
 
             self._decompress = triton_kernels.decompress_sum
+        elif self._kernels == "cpu":
+            from loco_megatron.loco import cpu_kernels
+
+            self._decompress = cpu_kernels.decompress_sum
         self._node_groups = self._build_node_groups(ddp_models) if loco.enabled else {}
         self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
         self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank

@@ -1,0 +1,97 @@
+"""Fused CPU kernels for LoCo's compress and decompress-and-sum (C++, ``csrc/loco_cpu.cpp``).
+
+Built at first use with ``torch.utils.cpp_extension.load`` (ninja + the system C++
+compiler) and cached in torch's extensions folder (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), so later processes only load the ``.so``. The source is
+compiled for baseline x86-64 plus an AVX2+FMA copy of every hot loop, chosen at run time
+by CPU feature detection, so the build runs on any x86-64 CPU (and on other
+architectures, without the AVX2 copy).
+
+The kernels compute what the torch reference computes (:mod:`.quantize`,
+:class:`.LoCoCompressor`, :func:`.collectives.decompress_into`), bit for bit for codes,
+scales and decompressed sums; the stored error matches within one int8 step.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import sys
+from typing import Callable, Optional
+
+import torch
+
+SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "loco_cpu.cpp"
+MAX_BLOCK = 8192
+"""Largest --loco-block-size the kernels take (their per-thread block buffers are on the stack)."""
+
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]
+"""-ffp-contract=off: never fuse a multiply and an add that the reference rounds twice;
+-fopenmp: ``#pragma omp simd`` and at::parallel_for's OpenMP backend (torch's own libgomp
+is reused at load time)."""
+
+
+def _build_with_torch(verbose: bool = False):
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name="loco_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def extension(builder: Callable = _build_with_torch):
+    """The built module, or None when it cannot be built (then prints one line, once per
+    process and builder). ``builder()`` returns the module or raises."""
+    try:
+        return builder()
+    except Exception as e:  # no compiler, no ninja, a broken toolchain: all mean "use torch"
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        print(f"loco: the C++ CPU kernels could not be built ({reason}); using the torch reference",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def unsupported(bits: int, block_size: int, error_bits: int, error_feedback: bool) -> Optional[str]:
+    """Why the kernels cannot run this configuration (one phrase), or None."""
+    if bits not in (2, 4, 8):
+        return f"supports 2, 4 or 8 bits, got {bits}"
+    if block_size % 8 or not 0 < block_size <= MAX_BLOCK:
+        return f"needs a --loco-block-size that is a multiple of 8 up to {MAX_BLOCK}, got {block_size}"
+    if error_feedback and error_bits != 8:
+        return f"supports the int8 error buffer only (--loco-error-bits 8), got {error_bits}"
+    return None
+
+
+def compress(g: torch.Tensor, err: Optional[torch.Tensor], err_scales: Optional[torch.Tensor], beta: float,
+             bits: int, block_size: int, numel: int, err_scratch: Optional[torch.Tensor] = None,
+             err_scales_scratch: Optional[torch.Tensor] = None, isa: int = -1, rows: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused LoCo step of ``g`` (contiguous fp32/bf16 ``[rows, S]``, or 1-D = one row;
+    or, with ``rows > 0``, flat ``g`` split into ``rows`` rows of ``ceil(N / rows)``, the
+    last ones shorter); each row is treated as zero-padded to ``P = ceil(S/B)*B``, no copy
+    is made.
+
+    ``err``/``err_scales``: int8 ``[rows*P/B, B]`` and fp32 ``[rows*P/B]`` (None without
+    error feedback), updated in place unless a scale is non-finite. With scratch (int8
+    and fp32 of the same sizes) the step is one pass into the scratch, copied over when
+    finite; without, two passes (scales first, then codes and the error in place).
+    Returns ``(codes uint8 [rows*P*bits/8], scales fp32 [rows*P/B], stats fp32 [4])``,
+    ``stats = (sum e'^2, sum resid^2, sum h^2, numel)``, zeros when not finite.
+    ``isa`` forces a lower instruction-set copy (0 baseline, 1 AVX2+FMA, 2 AVX-512; tests);
+    -1 (and anything the CPU lacks) runs the best one. Needs :func:`extension` to have
+    built (callers check it once, up front).
+    """
+    empty = torch.empty(0)
+    pick = (lambda t: empty if t is None else t)
+    one_pass = err is None or err_scratch is not None
+    return tuple(extension().compress(g.contiguous(), pick(err), pick(err_scales), float(beta), bits, block_size,
+                                          not one_pass, pick(err_scratch), pick(err_scales_scratch), float(numel),
+                                          isa, rows))
+
+
+def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0, isa: int = -1) -> None:
+    """``out = scale * sum_r D(recv[r])`` (rank order, fp32 sums) for uint8 ``[W, row_bytes]``
+    ``recv``; the contract of :func:`.collectives.decompress_into`, bit-identical to it."""
+    # out.numel() <= layout.shard: a ragged last row writes only its prefix.
+    extension().decompress_sum(recv, layout.code_bytes, out.numel(), layout.bits, layout.block_size, out,
+                               float(scale), isa)
