@@ -1,0 +1,65 @@
+"""LoCo settings (see :mod:`loco_megatron.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from loco_megatron.config.base import require
+
+
+@dataclasses.dataclass
+class LoCoConfig:
+    loco_bits: int = 0
+    """Bits per transmitted gradient code: 0 = off (megatron-core's own reduce-scatter), 2, 4 or 8."""
+    loco_beta: float = 0.8
+    """Moving-average factor of the compression error: e <- beta*e + (1-beta)*(h - Q(h))."""
+    loco_block_size: int = 256
+    """Elements per quantisation block (one fp32 scale each); a positive multiple of 8."""
+    loco_error_bits: int = 8
+    """Storage of the error buffer: 8 (int8 + per-block scale), 16 (bf16) or 32 (fp32)."""
+    loco_reset_interval: int = 1024
+    """Zero the error every this many optimizer steps (0 = never)."""
+    loco_warmup_iters: int = 0
+    """Sync the first N iterations at full precision (megatron-core's reduce-scatter)."""
+    loco_no_error_feedback: bool = False
+    """Ablation: quantise the raw gradient with no compensation."""
+    loco_hierarchical: Optional[bool] = None
+    """Two-hop LoCo: reduce inside each node at --loco-intra-node-bits, then across nodes at
+    --loco-bits, each hop with its own error state (default: on when a data-parallel group
+    spans more than one node and holds several ranks per node)."""
+    loco_intra_node_bits: int = 8
+    """Bits of the intra-node hop of two-hop LoCo: 2, 4, 8 (compensated) or 16 (bf16, uncompressed)."""
+    loco_ranks_per_node: Optional[int] = None
+    """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
+    loco_kernels: str = "auto"
+    """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
+    installed and the shape is supported; the fused C++ kernels on CPU when they build;
+    else torch), torch (the reference), triton, or cpu (falls back to torch, with one
+    line, when no C++ compiler is present)."""
+    param_gather_bits: int = 0
+    """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
+    dtype), 8 or 4 = block-wise quantised differences against the parameters every rank
+    agrees on (--loco-block-size blocks); needs --use-distributed-optimizer."""
+
+    def __post_init__(self):
+        require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
+                 f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
+        require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",
+                 "must be >= 1")
+        require(self.loco_kernels in ("auto", "torch", "triton", "cpu"), "loco_kernels",
+                 f"{self.loco_kernels!r} is not one of auto, torch, triton, cpu")
+        require(self.loco_bits in (0, 2, 4, 8), "loco_bits", f"{self.loco_bits} is not one of 0, 2, 4, 8")
+        require(0.0 <= self.loco_beta < 1.0, "loco_beta", f"{self.loco_beta} is not in [0, 1)")
+        require(self.loco_block_size > 0 and self.loco_block_size % 8 == 0, "loco_block_size",
+                 f"{self.loco_block_size} is not a positive multiple of 8")
+        require(self.loco_error_bits in (8, 16, 32), "loco_error_bits",
+                 f"{self.loco_error_bits} is not one of 8, 16, 32")
+        require(self.loco_reset_interval >= 0, "loco_reset_interval", "must be >= 0")
+        require(self.loco_warmup_iters >= 0, "loco_warmup_iters", "must be >= 0")
+        require(self.param_gather_bits in (0, 4, 8), "param_gather_bits",
+                 f"{self.param_gather_bits} is not one of 0, 8, 4")
+
+    @property
+    def enabled(self) -> bool:
+        return self.loco_bits > 0

@@ -1,0 +1,61 @@
+"""Parallel layout settings (see :mod:`loco_megatron.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from loco_megatron.config.base import require
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages per model replica."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel ranks (MoE experts are split across them)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state and main params across data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's reduce-scatter as soon as its grads are ready."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated params bucket by bucket during
+    the next forward pass instead of synchronously after the optimizer step."""
+    grad_reduce_in_bf16: bool = False
+    """Keep gradient buffers and their reduce-scatter in bf16."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket (None = megatron-core's default)."""
+    sequence_parallel: bool = False
+    """Split layer norms, dropout and residuals along the sequence across the TP ranks
+    (Megatron's sequence parallelism; needs --tensor-model-parallel-size > 1)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (interleaved 1F1B schedule; needs PP > 1)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk; sets --virtual-pipeline-model-parallel-size to
+    num_layers / PP / this."""
+    context_parallel_size: int = 1
+    """Context-parallel ranks (split each sequence across ranks). Only 1: megatron-core 0.16
+    implements it in TransformerEngine's attention only."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size"):
+            require(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.ddp_bucket_size is not None:
+            require(self.ddp_bucket_size > 0, "ddp_bucket_size", "must be positive")
+        if self.overlap_param_gather:
+            require(self.use_distributed_optimizer, "overlap_param_gather", "needs the distributed optimizer")
+        require(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
+                 "needs --tensor-model-parallel-size > 1")
+        require(self.context_parallel_size == 1, "context_parallel_size",
+                 "needs TransformerEngine: megatron-core 0.16 implements context parallelism only in "
+                 "TEDotProductAttention (--transformer-impl transformer_engine), which loco-megatron does not wire")
+        require(self.virtual_pipeline_model_parallel_size is None
+                 or self.num_layers_per_virtual_pipeline_stage is None, "num_layers_per_virtual_pipeline_stage",
+                 "give either it or --virtual-pipeline-model-parallel-size, not both")
+        for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
+            if getattr(self, name) is not None:
+                require(getattr(self, name) >= 1, name, "must be >= 1")
+                require(self.pipeline_model_parallel_size > 1, name, "needs --pipeline-model-parallel-size > 1")

@@ -1,0 +1,103 @@
+"""The whole run settings (see :mod:`loco_megatron.config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from loco_megatron.config.base import ConfigError, require
+from loco_megatron.config.model import ModelConfig
+from loco_megatron.config.parallel import ParallelConfig
+from loco_megatron.config.data import DataConfig
+from loco_megatron.config.optimizer import OptimizerConfig
+from loco_megatron.config.train import TrainConfig
+from loco_megatron.config.loco import LoCoConfig
+from loco_megatron.config.checkpoint import CheckpointConfig
+from loco_megatron.config.logger import LoggingConfig
+
+
+@dataclasses.dataclass
+class Config:
+    """The whole run. Cross-field checks that do not need the world size live here."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    loco: LoCoConfig = dataclasses.field(default_factory=LoCoConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        m, p = self.model, self.parallel
+        heads = m.num_attention_heads
+        require(heads % p.tensor_model_parallel_size == 0, "num_attention_heads",
+                 f"{heads} is not divisible by --tensor-model-parallel-size {p.tensor_model_parallel_size}")
+        groups = m.num_query_groups or heads
+        require(groups % p.tensor_model_parallel_size == 0, "num_query_groups",
+                 f"{groups} is not divisible by --tensor-model-parallel-size {p.tensor_model_parallel_size}")
+        require(m.num_layers % p.pipeline_model_parallel_size == 0, "num_layers",
+                 f"{m.num_layers} is not divisible by --pipeline-model-parallel-size "
+                 f"{p.pipeline_model_parallel_size}")
+        if p.expert_model_parallel_size > 1:
+            require(m.num_experts is not None, "expert_model_parallel_size", "needs --num-experts")
+        if m.num_experts is not None:
+            require(m.num_experts % p.expert_model_parallel_size == 0, "num_experts",
+                     f"{m.num_experts} is not divisible by --expert-model-parallel-size "
+                     f"{p.expert_model_parallel_size}")
+        if p.grad_reduce_in_bf16:
+            require(m.bf16, "grad_reduce_in_bf16", "needs --bf16")
+        if self.loco.param_gather_bits:
+            require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
+        decay = self.optimizer.lr_decay_iters or self.train.train_iters
+        require(self.optimizer.warmup_iters(decay) < decay, "lr_warmup_iters",
+                 f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay}); "
+                 "--lr-warmup-fraction scales with the run")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            per_stage = m.num_layers // p.pipeline_model_parallel_size
+            require(per_stage % p.num_layers_per_virtual_pipeline_stage == 0,
+                     "num_layers_per_virtual_pipeline_stage",
+                     f"{p.num_layers_per_virtual_pipeline_stage} does not divide the {per_stage} layers per stage")
+            p.virtual_pipeline_model_parallel_size = per_stage // p.num_layers_per_virtual_pipeline_stage
+            p.num_layers_per_virtual_pipeline_stage = None
+        if p.virtual_pipeline_model_parallel_size is not None:
+            vp = p.virtual_pipeline_model_parallel_size
+            require(m.num_layers % (p.pipeline_model_parallel_size * vp) == 0,
+                     "virtual_pipeline_model_parallel_size",
+                     f"--num-layers {m.num_layers} is not divisible by PP x VP = "
+                     f"{p.pipeline_model_parallel_size} x {vp}")
+        if m.recompute_num_layers is not None:
+            per_chunk = m.num_layers // p.pipeline_model_parallel_size // (p.virtual_pipeline_model_parallel_size or 1)
+            require(m.recompute_num_layers <= per_chunk, "recompute_num_layers",
+                     f"{m.recompute_num_layers} exceeds the {per_chunk} layers per model chunk")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for ``world_size`` ranks; raises ConfigError when the layout does not fit."""
+        p = self.parallel
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if world_size % mp != 0:
+            raise ConfigError(
+                f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {mp} "
+                f"does not divide the world size {world_size}")
+        dp = world_size // mp
+        require(dp % p.expert_model_parallel_size == 0 or p.expert_model_parallel_size == 1,
+                 "expert_model_parallel_size",
+                 f"{p.expert_model_parallel_size} does not divide the data-parallel size {dp}")
+        d = self.data
+        require(d.global_batch_size % (d.micro_batch_size * dp) == 0, "global_batch_size",
+                 f"{d.global_batch_size} is not divisible by --micro-batch-size x data-parallel size "
+                 f"= {d.micro_batch_size} x {dp}")
+        if p.virtual_pipeline_model_parallel_size is not None:
+            micro = d.global_batch_size // (d.micro_batch_size * dp)
+            # megatron's interleaved schedule runs micro batches in groups of PP per chunk.
+            require(micro % p.pipeline_model_parallel_size == 0, "global_batch_size",
+                     f"{micro} micro batches per step is not a multiple of --pipeline-model-parallel-size "
+                     f"{p.pipeline_model_parallel_size} (needed by the interleaved schedule)")
+        return dp
+
+    def to_flat_dict(self) -> dict:
+        """Every option as {flag_name: value}, e.g. for wandb.config and checkpoints."""
+        out = {}
+        for f in dataclasses.fields(self):
+            out.update(dataclasses.asdict(getattr(self, f.name)))
+        return out
