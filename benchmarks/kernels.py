@@ -35,7 +35,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from loco_megatron.loco.collectives import ShardLayout, decompress_into  # noqa: E402
-from loco_megatron.loco.compressor import LoCoCompressor, Workspace, resolve_kernels  # noqa: E402
+from loco_megatron.loco.compressor import LoCoCompressor  # noqa: E402
+from loco_megatron.loco.kernel_choice import resolve_kernels  # noqa: E402
+from loco_megatron.loco.workspace import Workspace  # noqa: E402
 
 
 def _size(text: str) -> int:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from loco_megatron.loco import LoCoCompressor  # noqa: E402
-from loco_megatron.loco.compressor import Workspace  # noqa: E402
+from loco_megatron.loco.workspace import Workspace  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum  # noqa: E402
 from loco_megatron.loco.param_delta import DeltaLayout  # noqa: E402
 

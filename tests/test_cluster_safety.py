@@ -10,7 +10,7 @@ import torch
 from conftest import TINY, torchrun, train_losses
 from loco_megatron.loco import LoCoCompressor, quantize_blockwise
 from loco_megatron.loco.collectives import ShardLayout
-from loco_megatron.loco.compressor import Workspace
+from loco_megatron.loco.workspace import Workspace
 
 
 def test_collective_order_is_identical_on_every_rank(cache_dir, tmp_path, monkeypatch):

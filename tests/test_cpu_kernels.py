@@ -11,7 +11,8 @@ from conftest import TINY, torchrun, train_losses
 from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
-from loco_megatron.loco.compressor import LoCoCompressor, resolve_kernels
+from loco_megatron.loco.compressor import LoCoCompressor
+from loco_megatron.loco.kernel_choice import resolve_kernels
 from test_triton_kernels import _inputs
 
 

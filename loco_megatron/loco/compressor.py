@@ -16,84 +16,16 @@ scales still carry the overflow to the receiver.
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from loco_megatron.loco import quantize as qz
-
-
-def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
-                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None) -> str:
-    """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
-    line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
-
-    ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
-    ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
-    line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
-    """
-    if choice == "torch":
-        return "torch"
-    if choice == "cpu" or (choice == "auto" and device_type == "cpu"):
-        from loco_megatron.loco import cpu_kernels
-
-        why = cpu_kernels.unsupported(bits, block_size, error_bits, error_feedback)
-        if device_type != "cpu":
-            why = f"needs a CPU device, got {device_type}"
-        if why is not None:
-            if choice == "auto":
-                return "torch"
-            raise ValueError(f"--loco-kernels cpu {why}")
-        built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
-        return "cpu" if built is not None else "torch"
-    why = None
-    if importlib.util.find_spec("triton") is None:
-        why = "triton is not installed (pip install -r requirements-triton.txt)"
-    elif device_type != "cuda" and not interpret:
-        why = "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
-    elif block_size & (block_size - 1) or block_size < 8 * (8 // bits):
-        why = f"needs a power-of-two --loco-block-size, got {block_size}"
-    elif error_feedback and error_bits != 8:
-        why = f"supports the int8 error buffer only (--loco-error-bits 8), got {error_bits}"
-    if choice == "auto":
-        return "triton" if why is None and device_type == "cuda" else "torch"
-    if why is not None:
-        raise ValueError(f"--loco-kernels triton {why}")
-    return "triton"
+from loco_megatron.loco.workspace import Workspace
 
 
 class LoCoStateMismatch(ValueError):
     """A checkpointed LoCo state that does not fit this compressor (the message says why)."""
-
-
-class Workspace:
-    """Scratch buffers reused across calls and buckets, grown to the largest request.
-
-    Compression of one bucket finishes before the next starts (same stream), so one
-    workspace serves every bucket of a run. The compressor works through a bucket in
-    chunks of at most ``chunk_elements`` elements, so the scratch it asks for is bounded
-    by the chunk size, never by the bucket or the model. :attr:`nbytes` is what the
-    workspace holds now (the high-water mark: buffers are never shrunk).
-    """
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple, device, dtype=torch.float32) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < n or buf.device != torch.device(device) or buf.dtype != dtype:
-            self._buffers.pop(name, None)  # free the old one before allocating the larger one
-            buf = torch.empty(n, dtype=dtype, device=device)
-            self._buffers[name] = buf
-        return buf[:n].view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22

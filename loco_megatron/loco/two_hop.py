@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter,
                                             decompress_into, gather_rows)
-from loco_megatron.loco.compressor import Workspace
+from loco_megatron.loco.workspace import Workspace
 from loco_megatron.metrics.comm import WallClock
 
 

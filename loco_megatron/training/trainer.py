@@ -16,7 +16,7 @@ from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
-from loco_megatron.loco.compressor import resolve_kernels
+from loco_megatron.loco.kernel_choice import resolve_kernels
 from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter, decompress_into
-from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch, Workspace
+from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
+from loco_megatron.loco.workspace import Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
                                         two_hop_reduce_scatter)
 from loco_megatron.loco.hooks.version import check_megatron_core_version
