@@ -141,3 +141,22 @@ def test_withheld_non_finite_update_fails_loudly():
     ParamGatherHook.check_finite(0.0, 7)
     with pytest.raises(NonFiniteParamUpdate, match="--param-gather-bits: .*iteration 7"):
         ParamGatherHook.check_finite(2.0, 7)
+
+
+def test_cpu_kernels_encode_and_decode_bit_identical():
+    """Guards against the fused C++ path of the parameter all-gather (used on CPU) differing
+    from the reference by a single bit: ranks mixing the two, or a resume switching
+    between them, would break the agreed-parameter invariant. Covers a ragged last block,
+    4 and 8 bits, and a non-finite shard (its delta must be exactly zero)."""
+    for bits in (4, 8):
+        ref = DeltaLayout(3 * 1001, 3, bits, 256)
+        fast = DeltaLayout(3 * 1001, 3, bits, 256, kernels="cpu")
+        g = torch.Generator().manual_seed(bits)
+        new, agreed = torch.randn(1001, generator=g), torch.randn(1001, generator=g)
+        row_ref, row_fast = encode_delta(new, agreed, ref), encode_delta(new, agreed, fast)
+        assert torch.equal(row_ref, row_fast)
+        bad = encode_delta(torch.full((1001,), float("nan")), agreed, ref)
+        rows = torch.stack([row_ref, bad, row_ref * 0 + row_ref])
+        (d_ref, f_ref), (d_fast, f_fast) = decode_rows(rows, ref), decode_rows(rows, fast)
+        assert torch.equal(d_ref, d_fast) and torch.equal(f_ref, f_fast)
+        assert f_ref.tolist() == [True, False, True] and (d_fast[1] == 0).all()

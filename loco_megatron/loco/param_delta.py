@@ -38,12 +38,15 @@ PARAM_GATHER_BITS = (4, 8)
 class DeltaLayout:
     """Sizes of one bucket's compressed parameter all-gather."""
 
-    def __init__(self, numel: int, world: int, bits: int, block_size: int):
+    def __init__(self, numel: int, world: int, bits: int, block_size: int, kernels: str = "torch"):
+        """``kernels``: ``"torch"`` (the reference) or ``"cpu"`` (the fused C++ quantise and
+        dequantise of :mod:`.cpu_kernels`: the same codes, scales and deltas, bit for bit)."""
         if bits not in PARAM_GATHER_BITS:
             raise ValueError(f"param-gather bits must be one of {PARAM_GATHER_BITS}, got {bits}")
         if numel % world:
             raise ValueError(f"buffer of {numel} elements does not split over {world} ranks")
         self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
+        self.kernels = kernels
         self.shard = numel // world
         self.blocks = qz.num_blocks(self.shard, block_size)
         self.code_bytes = qz.packed_nbytes(self.shard, bits, block_size)
@@ -61,7 +64,12 @@ def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout) -
     ``new``, ``agreed``: ``[S]`` of any float dtype (compared in fp32).
     """
     d = new.float() - agreed.float()
-    codes, scales = qz.quantize_blockwise(d, layout.bits, layout.block_size)
+    if layout.kernels == "cpu":  # the LoCo compress kernel without error feedback quantises d
+        from loco_megatron.loco import cpu_kernels
+
+        codes, scales, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel())
+    else:
+        codes, scales = qz.quantize_blockwise(d, layout.bits, layout.block_size)
     return torch.cat([codes, scales.view(torch.uint8)])
 
 
@@ -72,6 +80,14 @@ def decode_rows(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, 
     scales = rows[:, layout.code_bytes:].contiguous().view(torch.float32)  # [W, blocks]
     finite = torch.isfinite(scales).all(dim=1)
     safe = torch.where(finite.unsqueeze(1), scales, torch.zeros_like(scales))
+    if layout.kernels == "cpu":  # one fused dequantise per row (zeroed scales: a zero delta)
+        from loco_megatron.loco import cpu_kernels
+
+        safe_rows = torch.cat([rows[:, :layout.code_bytes], safe.view(torch.uint8)], dim=1)
+        deltas = torch.empty(layout.world, layout.shard, dtype=torch.float32, device=rows.device)
+        for j in range(layout.world):
+            cpu_kernels.decompress_sum(safe_rows[j:j + 1], layout, deltas[j])
+        return deltas, finite
     codes = rows[:, :layout.code_bytes].reshape(-1)
     q = qz.unpack_codes(codes, layout.bits, layout.block_size).view(layout.world, layout.blocks, layout.block_size)
     deltas = torch.mul(q, safe.unsqueeze(2)).view(layout.world, -1)[:, :layout.shard]

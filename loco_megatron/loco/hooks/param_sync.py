@@ -80,6 +80,8 @@ class ParamGatherHook:
                 # A group of one rank gathers nothing: megatron's no-op copy stays exact.
                 compressed = bool(self.bits) and group.intra_distributed_optimizer_instance_size > 1
                 if compressed:
+                    # The C++ quantise/dequantise where the gradients use them (CPU); else torch.
+                    self._kernels = "cpu" if loco.loco_kernels == "cpu" else "torch"
                     self._make_shards(group, keys, loco.loco_block_size)
                 group.start_param_sync = self._make_start_param_sync(group, keys, compressed)
         if self.shards:
@@ -90,7 +92,8 @@ class ParamGatherHook:
         rank = group.intra_distributed_optimizer_instance_rank
         for key, bucket in zip(keys, group.buckets):
             data = bucket.param_data
-            layout = DeltaLayout(data.numel(), world, self.bits, block_size)
+            layout = DeltaLayout(data.numel(), world, self.bits, block_size,
+                                 kernels=self._kernels)
             # fp32 params: megatron's distributed optimizer steps the model buffer itself
             # (its main params are views of it); other dtypes get separate fp32 mains.
             self.shards[key] = AgreedShard(data.view(world, layout.shard)[rank],
