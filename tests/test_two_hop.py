@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, intra_bits, average, queue, collected):
+def _worker(rank, port, intra_bits, average, async_op, queue, collected):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -39,7 +39,7 @@ def _worker(rank, port, intra_bits, average, queue, collected):
         for _ in range(STEPS):
             buf = g.clone()
             work, _ = two_hop_reduce_scatter(buf, layout, ng, intra.compress if intra else None, inter.compress,
-                                             async_op=True, average=average)
+                                             async_op=async_op, average=average)
             work.wait()
             got = buf.view(WORLD, SHARD)[j].clone()
             first = got if first is None else first
@@ -53,11 +53,12 @@ def _worker(rank, port, intra_bits, average, queue, collected):
         dist.destroy_process_group()
 
 
-def _run(intra_bits, average):
+def _run(intra_bits, average, async_op):
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, intra_bits, average, queue, collected)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, intra_bits, average, async_op, queue, collected))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -70,14 +71,16 @@ def _run(intra_bits, average):
     return sorted(results)
 
 
-@pytest.mark.parametrize("intra_bits,average", [(8, False), (16, True)])
-def test_two_hop_reduces_every_shard(intra_bits, average):
+@pytest.mark.parametrize("intra_bits,average,async_op", [(8, False, True), (16, True, True), (8, False, False)])
+def test_two_hop_reduces_every_shard(intra_bits, average, async_op):
     """Guards against shards landing on the wrong rank, a hop summing the wrong chunks,
     a broken average, lost compensation on either hop, or inter-node bytes that do not
     follow the formula: each rank gets its own shard of the exact sum within 4-bit
     quantisation error, the average over steps converges (error feedback telescopes on
-    both hops), and hop 2 sends (n-1) rows of codes + scales across nodes."""
-    results = _run(intra_bits, average)
+    both hops), and hop 2 sends (n-1) rows of codes + scales across nodes. Also run
+    synchronously (--no-overlap-grad-reduce), where hop 1's output buffer is only known
+    when hop 2 is issued."""
+    results = _run(intra_bits, average, async_op)
     assert [r[1] for r in results] == [0, 1, 2, 3]  # rank (node a, local b) owns shard a*R + b
     for _, _, first, averaged, bytes_inter, row_bytes in results:
         assert first < 0.15, first                      # one step: 4-bit (+ 8-bit) quantisation error

@@ -245,7 +245,8 @@ def compressed_reduce_scatter(
     ``handle.set_output``, before ``wait()``); with ``all_gather`` every
     row lands in ``buffer``. Returns the work handle and the payload bytes this rank
     handed to the all-to-all (the all-gather's are ``handle.gather_bytes`` once
-    waited). With ``async_op=False`` the handle is already complete. ``clock`` marks
+    waited). With ``async_op=False`` the handle is already complete, unless its output
+    is still to be set (then the transfer is done and ``wait()`` only decompresses). ``clock`` marks
     launch and completion (wall-clock by default).
     """
     clock = clock or WallClock()
@@ -261,6 +262,6 @@ def compressed_reduce_scatter(
     handle = CompressedReduceScatterWork(
         work, recv, layout, out, group, buffer if all_gather else None,
         1.0 / layout.world if average else 1.0, clock, launch, decompress, ops)
-    if not async_op:
+    if not async_op and out is not None:  # else the caller sets the output, then waits
         handle.wait()
     return handle, send.numel()
