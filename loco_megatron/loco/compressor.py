@@ -78,6 +78,7 @@ class LoCoCompressor:
         self.num_blocks = rows * self.row_blocks
         self.padded_numel = self.num_blocks * block_size
         self.chunk_blocks = max(1, chunk_elements // block_size)
+        self._chunk_list = self._chunks()  # fixed by the shape: not rebuilt every step
         self.last_stats: Optional[torch.Tensor] = None
         """fp32 ``[4]`` sums from the last :meth:`compress` (see there)."""
         self.step = 0
@@ -200,7 +201,7 @@ class LoCoCompressor:
         if self.kernels == "cpu":
             return self._compress_cpu(grad, ws)
         flat, dev = grad.reshape(-1), grad.device
-        chunks = self._chunks()
+        chunks = self._chunk_list
         cb = min(self.chunk_blocks, self.num_blocks)
         h_buf = ws.get("h", (cb, self.block_size), dev)
         work_buf = ws.get("work", (cb, self.block_size), dev)

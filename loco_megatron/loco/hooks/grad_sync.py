@@ -38,6 +38,7 @@ from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout,
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.metrics.comm import CommStats
 
+
 def _bucket_groups(ddp_model) -> list:
     return list(ddp_model.bucket_groups) + list(ddp_model.expert_parallel_bucket_groups)
 
