@@ -7,6 +7,11 @@ from typing import Optional
 
 from loco_megatron.config.base import require
 
+LOCO_DEFAULT_OPTIONS: dict[int, dict[str, str]] = {}
+"""Quantiser options a run gets per --loco-bits when their flags are not given (absent:
+symmetric, absmax, none, nearest - the original scheme). Chosen by the quality study
+(README, "2-bit quantiser options")."""
+
 
 @dataclasses.dataclass
 class LoCoConfig:
@@ -37,12 +42,38 @@ class LoCoConfig:
     installed and the shape is supported; the fused C++ kernels on CPU when they build;
     else torch), torch (the reference), triton, or cpu (falls back to torch, with one
     line, when no C++ compiler is present)."""
+    loco_quantizer: Optional[str] = None
+    """Gradient code grid: symmetric (codes -qmax..qmax, levels k*s; 2 bits use three of the
+    four codes) or uniform (all 2**bits codes, levels (k+0.5)*s). Default: per --loco-bits
+    (LOCO_DEFAULT_OPTIONS)."""
+    loco_scale: Optional[str] = None
+    """Per-block scale: absmax, or mse (the clip ratio of 1.0 ... 0.5 with the least squared
+    error, per block; the clipped part is carried by the error feedback). Default: per --loco-bits."""
+    loco_rotation: Optional[str] = None
+    """none, or hadamard: block-wise randomized Walsh-Hadamard rotation before quantising
+    (signs from --loco-quant-seed, shared by every rank; needs a power-of-two
+    --loco-block-size). Default: per --loco-bits."""
+    loco_rounding: Optional[str] = None
+    """nearest, or stochastic (unbiased; random bits hashed from the seed, bucket, rank and
+    step, so a resumed run is bit-exact). Default: per --loco-bits."""
+    loco_quant_seed: int = 0
+    """Seed of the Hadamard signs and of stochastic rounding (the same on every rank)."""
     param_gather_bits: int = 0
     """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
     dtype), 8 or 4 = block-wise quantised differences against the parameters every rank
     agrees on (--loco-block-size blocks); needs --use-distributed-optimizer."""
 
     def __post_init__(self):
+        for name, allowed in (("quantizer", ("symmetric", "uniform")), ("scale", ("absmax", "mse")),
+                              ("rotation", ("none", "hadamard")), ("rounding", ("nearest", "stochastic"))):
+            value = getattr(self, f"loco_{name}")
+            if value is None:  # resolved here, so the metrics' config records the option in use
+                value = LOCO_DEFAULT_OPTIONS.get(self.loco_bits, {}).get(name, allowed[0])
+                setattr(self, f"loco_{name}", value)
+            require(value in allowed, f"loco_{name}", f"{value!r} is not one of {', '.join(allowed)}")
+        bs = self.loco_block_size
+        require(self.loco_rotation == "none" or (bs > 0 and bs & (bs - 1) == 0), "loco_rotation",
+                f"hadamard needs a power-of-two --loco-block-size, got {bs}")
         require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
                  f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
         require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",

@@ -17,7 +17,14 @@ reduction. Layout for a flat buffer of ``N`` elements over ``W`` ranks
   rank's packed codes for its rows ``i % W == j`` followed by their fp32 scales' bytes;
 * one ``all_to_all_single`` delivers row ``j`` of every rank to rank ``j``;
 * ``wait()`` dequantises the ``W`` received rows and sums them in fp32 in rank
-  order (deterministic), then writes the result (cast to the output's dtype).
+  order (deterministic), then writes the result (cast to the output's dtype). With
+  ``--loco-rotation hadamard`` the rows were rotated before quantising: the sum is
+  unrotated once (the rotation is linear), before the ``average`` scaling.
+
+The payload is the same for every quantiser option: ``code_bytes`` of packed codes
+(``bits/8`` per padded element) plus 4 bytes of fp32 scale per block; the rotation's
+signs come from a seed every rank shares and stochastic rounding needs nothing on the
+receiving side, so no option adds side information.
 
 Collectives are issued through a :class:`CollectiveOps` (plain ``torch.distributed``
 by default; tests inject a recording one), in program order only: nothing here
@@ -33,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from loco_megatron.loco import quantize as qz
+from loco_megatron.loco import rotation as rot
 from loco_megatron.metrics.comm import WallClock
 
 
@@ -59,8 +67,11 @@ class ShardLayout:
     ``code_bytes`` of codes then ``4 * shard_blocks`` of scales (``row_bytes``).
     """
 
-    def __init__(self, numel: int, world: int, bits: int, block_size: int, pieces: int = 1):
+    def __init__(self, numel: int, world: int, bits: int, block_size: int, pieces: int = 1,
+                 options: Optional[qz.QuantOptions] = None):
         self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
+        self.options = options or qz.DEFAULT_OPTIONS
+        """How the rows were quantised (the receiver needs the quantiser and the rotation)."""
         self.pieces = pieces
         self.rows = world * pieces
         self.piece = -(-numel // self.rows)
@@ -125,7 +136,8 @@ def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, 
     element sees the same fp32 operations in the same order as a whole-shard
     ``acc = part_0; acc += part_r; acc *= scale`` would, so the slicing changes no bit.
     """
-    B, bits = layout.block_size, layout.bits
+    B, bits, opts = layout.block_size, layout.bits, layout.options
+    signs = rot.signs(B, opts.seed, recv.device) if opts.rotation == "hadamard" else None
     step = max(1, CHUNK_ELEMENTS // B)  # blocks per slice
     nblk_total = layout.shard_blocks
     scales = [layout.unpack_row(recv[r])[1] for r in range(layout.world)]
@@ -137,9 +149,11 @@ def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, 
         lo, hi = b0 * B * bits // 8, (b0 + nb) * B * bits // 8
         for r in range(layout.world):
             q = qz.unpack_codes(recv[r, lo:hi], bits, B).view(nb, B)
-            torch.mul(q, scales[r][b0:b0 + nb].unsqueeze(1), out=acc if r == 0 else part)
+            qz.dequant_codes(q, scales[r][b0:b0 + nb], opts, out=acc if r == 0 else part)
             if r:
                 acc.add_(part)
+        if signs is not None:
+            acc.copy_(rot.unrotate(acc, signs))
         if scale != 1.0:
             acc.mul_(scale)
         start = b0 * B

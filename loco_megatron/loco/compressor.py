@@ -12,6 +12,13 @@ bytes per element at block 256) unless ``error_bits`` asks for bf16/fp32. If ``h
 a NaN/Inf the stored error is left exactly as it was (selected with ``torch.where``,
 no host sync), so a non-finite value can never enter the error buffer; the codes and
 scales still carry the overflow to the receiver.
+
+Quantiser options (:class:`~.quantize.QuantOptions`) change step 2 only, except the
+Hadamard rotation: then the whole step runs in the rotated domain (``h = R(g) + e``,
+the error is stored rotated; ``R`` is linear, so this is the same algorithm on ``R(g)``)
+and the receiver unrotates the sum. Stochastic rounding draws its bits from
+``(options.seed, stream, step)``: ``stream`` names the buffer and rank, ``step`` is
+checkpointed, so a resumed run rounds exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Optional
 import torch
 
 from loco_megatron.loco import quantize as qz
+from loco_megatron.loco import rotation as rot
 from loco_megatron.loco.workspace import Workspace
 
 
@@ -48,7 +56,8 @@ class LoCoCompressor:
     def __init__(self, numel: int, bits: int = 4, beta: float = 0.8, block_size: int = 256,
                  error_bits: int = 8, reset_interval: int = 1024, error_feedback: bool = True,
                  device: Optional[torch.device] = None, kernels: str = "torch", rows: int = 1,
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, options: Optional[qz.QuantOptions] = None,
+                 stream: int = 0):
         if bits not in qz.SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {qz.SUPPORTED_BITS}, got {bits}")
         if not 0.0 <= beta < 1.0:
@@ -61,6 +70,11 @@ class LoCoCompressor:
             raise ValueError(f"kernels must be 'torch', 'triton' or 'cpu', got {kernels!r}")
         if kernels != "torch" and error_feedback and error_bits != 8:
             raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
+        self.options = options or qz.DEFAULT_OPTIONS
+        if kernels != "torch" and self.options.non_default():
+            raise ValueError(f"the {kernels} kernels do not implement {', '.join(self.options.non_default())}")
+        if self.options.rotation == "hadamard":
+            rot.check_block_size(block_size)
         if kernels == "cpu":
             from loco_megatron.loco import cpu_kernels
 
@@ -84,6 +98,8 @@ class LoCoCompressor:
         self.step = 0
         """Number of compress() calls so far (one per optimizer step); drives the reset."""
         dev = device or torch.device("cpu")
+        self.stream = stream
+        self._signs = rot.signs(block_size, self.options.seed, dev) if self.options.rotation == "hadamard" else None
         if not error_feedback:
             self._err = self._err_scales = None
         elif error_bits == 8:
@@ -118,8 +134,12 @@ class LoCoCompressor:
             torch.where(finite, e.to(err.dtype), err, out=err)
 
     def error(self) -> torch.Tensor:
-        """The current error ``e`` as fp32, ``numel`` elements (row padding removed)."""
-        blocks = self._error_blocks().view(self.rows, -1)[:, : self.row_numel]
+        """The current error ``e`` as fp32, ``numel`` elements (row padding removed;
+        unrotated when the error is stored in the rotated domain)."""
+        blocks = self._error_blocks()
+        if self._signs is not None:
+            blocks = rot.unrotate(blocks, self._signs.to(blocks.device))
+        blocks = blocks.view(self.rows, -1)[:, : self.row_numel]
         return blocks.reshape(-1)[: self.numel].clone()
 
     def error_nbytes(self) -> int:
@@ -164,8 +184,14 @@ class LoCoCompressor:
         hv = h.view(-1)
         hv[:n].copy_(flat[e0:e1])  # widens bf16 in the copy: no fp32 copy of the bucket
         hv[n:].zero_()
+        if self._signs is not None:  # the step runs in the rotated domain: h = R(g) + e
+            h.copy_(rot.rotate(h, self._signs))
         if self._err is None:
             return h
+        return self._add_error(h, b0, b1)
+
+    def _add_error(self, h: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+        """``h += e`` for blocks ``[b0, b1)`` (in place; returns ``h``)."""
         if self.error_bits == 8:
             # h = e + g with e = int8 * scale: the same product and sum, in the same order,
             # as the unchunked spec (mul then add), so results do not depend on chunking.
@@ -196,6 +222,9 @@ class LoCoCompressor:
         if self.reset_interval and self.step and self.step % self.reset_interval == 0:
             self.reset()
         ws = workspace or Workspace()
+        opts = self.options
+        plain = not opts.non_default()
+        key = qz.noise_key(opts.seed, self.stream, self.step)
         if self.kernels == "triton":
             return self._compress_triton(grad, ws)
         if self.kernels == "cpu":
@@ -211,7 +240,8 @@ class LoCoCompressor:
             for chunk in chunks:
                 b0, b1 = chunk[:2]
                 h = self._compensate(flat, chunk, h_buf[: b1 - b0])
-                scales[b0:b1] = qz.block_scales(h, self.bits, scratch=work_buf[: b1 - b0])
+                scales[b0:b1] = (qz.block_scales(h, self.bits, scratch=work_buf[: b1 - b0]) if plain
+                                 else qz.option_scales(h, self.bits, opts))
             # 2. a non-finite block has a non-finite scale (amax propagates NaN).
             finite = torch.isfinite(scales).all()
         sums = torch.zeros(3, dtype=torch.float32, device=dev)
@@ -222,10 +252,12 @@ class LoCoCompressor:
             self._compensate(flat, chunk, h)  # 1. h = g + e
             s = scales[b0:b1]
             if len(chunks) == 1:
-                s.copy_(qz.block_scales(h, self.bits, scratch=work))
+                s.copy_(qz.block_scales(h, self.bits, scratch=work) if plain else qz.option_scales(h, self.bits, opts))
                 finite = torch.isfinite(s).all()
-            q = qz.round_codes_(h, s, self.bits, out=work)
-            codes[b0 * code_bytes:b1 * code_bytes] = qz.pack_codes(q.to(torch.int8), self.bits)
+            noise = (qz.uniform_noise(b1 - b0, self.block_size, key, b0, dev)
+                     if opts.rounding == "stochastic" else None)
+            q = qz.levels_(h, s, self.bits, opts, out=work, noise=noise)
+            codes[b0 * code_bytes:b1 * code_bytes] = qz.pack_codes(qz.level_codes(q, opts), self.bits)
             # 3. residual h - D(q), in place: work becomes the residual.
             resid = torch.addcmul(h, q, s.unsqueeze(1), value=-1.0, out=work)
             sums[1] += torch.linalg.vector_norm(resid).square()
@@ -233,7 +265,11 @@ class LoCoCompressor:
             if self._err is not None:
                 # e_new = beta*e + (1-beta)*(h - D) with e = h - g, computed in place in h
                 # (the padding holds g = 0, so only the gradient's elements are subtracted).
-                h.view(-1)[: e1 - e0].sub_(flat[e0:e1])
+                if self._signs is None:
+                    h.view(-1)[: e1 - e0].sub_(flat[e0:e1])
+                else:  # h - R(g) would round differently: re-read e as it was added
+                    h.zero_()
+                    self._add_error(h, b0, b1)
                 new_e = h.mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
                 sums[0] += torch.linalg.vector_norm(new_e).square()
                 self._store_error(new_e, finite, work, b0, b1)
@@ -302,7 +338,8 @@ class LoCoCompressor:
     def state_dict(self) -> dict:
         sd = {"step": self.step, "numel": self.numel, "rows": self.rows, "bits": self.bits,
               "block_size": self.block_size, "error_bits": self.error_bits,
-              "error_feedback": self._err is not None}
+              "error_feedback": self._err is not None, "rotation": self.options.rotation,
+              "rotation_seed": self.options.seed if self._signs is not None else None}
         if self._err is not None:
             sd["error"] = self._err.clone()
         if self._err_scales is not None:
@@ -319,6 +356,12 @@ class LoCoCompressor:
         for key in ("numel", "rows", "bits", "block_size", "error_bits"):
             if sd.get(key, 1 if key == "rows" else None) != getattr(self, key):
                 raise LoCoStateMismatch(f"{key}={sd.get(key)} in the checkpoint, {getattr(self, key)} now")
+        # The error is stored in the rotated domain of one sign pattern.
+        saved = (sd.get("rotation", "none"), sd.get("rotation_seed"))
+        now = (self.options.rotation, self.options.seed if self._signs is not None else None)
+        if saved != now:
+            raise LoCoStateMismatch(f"rotation {saved[0]} (seed {saved[1]}) in the checkpoint, {now[0]} "
+                                    f"(seed {now[1]}) now (--loco-rotation/--loco-quant-seed changed)")
         self.step = int(sd["step"])
         if self._err is not None:
             self._err.copy_(sd["error"])

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 
 def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
-                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None) -> str:
+                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
+                    options: Sequence[str] = ()) -> str:
     """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
     line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
+``options``: the quantiser options in use that differ from the original scheme (as
+flags, :meth:`.quantize.QuantOptions.non_default`); the fused kernels implement none of
+them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them.
 
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
@@ -18,6 +22,10 @@ def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, b
     """
     if choice == "torch":
         return "torch"
+    if options:
+        if choice == "auto":
+            return "torch"
+        raise ValueError(f"--loco-kernels {choice} does not implement {', '.join(options)} (use torch or auto)")
     if choice == "cpu" or (choice == "auto" and device_type == "cpu"):
         from loco_megatron.loco import cpu_kernels
 

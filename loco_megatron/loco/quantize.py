@@ -16,6 +16,23 @@ process and reproducible by an independent implementation of the formulas:
   planes are contiguous, so packing and unpacking are a few vectorised passes rather
   than a strided gather, and a block's codes stay inside its own bytes.
 
+Options (:class:`QuantOptions`, ``--loco-quantizer/-scale/-rotation/-rounding``); the
+defaults are exactly the scheme above:
+
+* ``uniform`` quantiser: all ``2**bits`` codes ``q`` in ``[-2**(bits-1), 2**(bits-1)-1]``
+  stand for the levels ``(q + 0.5) * s`` (2 bits: ``+-0.5s, +-1.5s``), with
+  ``s = max|x| / (2**(bits-1) - 0.5)``; nearest rounding is ``q = floor(x / s)``;
+* ``mse`` scale: per block, the scale among ``c * s_absmax`` for ``c`` in
+  :data:`MSE_CLIP_RATIOS` with the least squared quantisation error (nearest rounding;
+  ties keep the larger ``c``); what clipping loses is carried by the error feedback;
+* ``hadamard`` rotation (:mod:`.rotation`): blocks are rotated before quantising and
+  unrotated after dequantising; signs from the shared seed, so no side information;
+* ``stochastic`` rounding: ``q = floor(x / s - offset + u) (+ offset)`` with ``u`` in
+  ``[0, 1)`` hashed from ``(key, element index)`` (:func:`noise_key`: seed, stream, step),
+  stateless, so reproducible and bit-exact across a resume.
+
+The wire format is the same for every option: packed codes plus one fp32 scale per block.
+
 Non-finite input is *not* sanitised: a NaN/Inf in a block makes that block's scale
 non-finite, so the dequantised block is non-finite and the overflow stays visible to
 whoever sums it (LoCo relies on this to let megatron's found-inf check skip the step).
@@ -23,11 +40,54 @@ whoever sums it (LoCo relies on this to let megatron's found-inf check skip the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
+from loco_megatron.loco import rotation as rot
+
 SUPPORTED_BITS = (2, 4, 8)
+QUANTIZERS = ("symmetric", "uniform")
+SCALES = ("absmax", "mse")
+ROTATIONS = ("none", "hadamard")
+ROUNDINGS = ("nearest", "stochastic")
+MSE_CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+"""Clip ratios the ``mse`` scale tries per block (1.0 = absmax)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantOptions:
+    """Quantiser options (see the module docstring); the defaults are today's scheme.
+
+    ``seed`` fixes the Hadamard signs (shared by every rank) and is the base of the
+    stochastic-rounding keys."""
+
+    quantizer: str = "symmetric"
+    scale: str = "absmax"
+    rotation: str = "none"
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, allowed in (("quantizer", QUANTIZERS), ("scale", SCALES), ("rotation", ROTATIONS),
+                              ("rounding", ROUNDINGS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    def non_default(self) -> list[str]:
+        """Flags of the options that differ from today's scheme, e.g. ``['--loco-quantizer uniform']``."""
+        base = QuantOptions()
+        return [f"--loco-{n} {getattr(self, n)}" for n in ("quantizer", "scale", "rotation", "rounding")
+                if getattr(self, n) != getattr(base, n)]
+
+    @property
+    def offset(self) -> float:
+        """Level of code ``q`` is ``q + offset`` (in units of the scale)."""
+        return 0.5 if self.quantizer == "uniform" else 0.0
+
+
+DEFAULT_OPTIONS = QuantOptions()
 
 
 def qmax(bits: int) -> int:
@@ -121,23 +181,151 @@ def unpack_codes(packed: torch.Tensor, bits: int, row_codes: Optional[int] = Non
     return (u - offset).view(torch.int8).reshape(-1)
 
 
-def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise flat ``x`` (any float dtype, N elements).
-
-    Returns ``(codes, scales)``: ``codes`` uint8 of ``num_blocks*block_size*bits/8``
-    packed bytes, ``scales`` fp32 ``[num_blocks]``.
-    """
+def _check(bits: int, block_size: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if block_size <= 0 or block_size % 8:
         raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+
+
+def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int, opts: Optional[QuantOptions] = None,
+                       key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise flat ``x`` (any float dtype, N elements); ``opts``/``key``: see :func:`quantize_with`.
+
+    Returns ``(codes, scales)``: ``codes`` uint8 of ``num_blocks*block_size*bits/8``
+    packed bytes, ``scales`` fp32 ``[num_blocks]``.
+    """
+    if opts is not None and opts.non_default():
+        return quantize_with(x, bits, block_size, opts, key)
+    _check(bits, block_size)
     blocks = _blocks(x, block_size)
     scales = block_scales(blocks, bits)
     return pack_codes(quantize_to_int(blocks, scales, bits), bits), scales
 
 
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                         numel: int) -> torch.Tensor:
+                         numel: int, opts: Optional[QuantOptions] = None) -> torch.Tensor:
     """fp32 flat tensor of ``numel`` elements from :func:`quantize_blockwise` output."""
+    if opts is not None and opts.non_default():
+        return dequantize_with(codes, scales, bits, block_size, numel, opts)
     q = unpack_codes(codes, bits, block_size).view(-1, block_size)
     return torch.mul(q, scales.float().unsqueeze(1)).view(-1)[:numel]
+
+
+# -- quantiser options ---------------------------------------------------------------
+def code_range(bits: int, opts: QuantOptions) -> tuple[int, int]:
+    """Smallest and largest signed code."""
+    if opts.quantizer == "uniform":
+        return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    return -qmax(bits), qmax(bits)
+
+
+def top_level(bits: int, opts: QuantOptions) -> float:
+    """Largest level magnitude in units of the scale (absmax maps onto it)."""
+    return 2 ** (bits - 1) - 0.5 if opts.quantizer == "uniform" else qmax(bits)
+
+
+def levels_(blocks: torch.Tensor, scales: torch.Tensor, bits: int, opts: QuantOptions, out: torch.Tensor,
+            noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Float levels ``L = q + offset`` of fp32 blocks into ``out`` (returned), so that
+    ``D = L * s``. ``noise``: fp32 ``[0, 1)`` of the blocks' shape for stochastic rounding.
+    Symmetric with nearest rounding is exactly :func:`round_codes_`."""
+    if opts.quantizer == "symmetric" and noise is None:
+        return round_codes_(blocks, scales, bits, out)
+    lo, hi = code_range(bits, opts)
+    torch.div(blocks, divisor(scales), out=out)
+    if noise is not None:
+        out.sub_(opts.offset).add_(noise)
+    out.floor_().clamp_(lo, hi).nan_to_num_(0.0)
+    return out.add_(opts.offset) if opts.offset else out
+
+
+def level_codes(levels: torch.Tensor, opts: QuantOptions) -> torch.Tensor:
+    """int8 signed codes of float levels (exact: levels are integers or half-integers)."""
+    return (levels - opts.offset if opts.offset else levels).to(torch.int8)
+
+
+def dequant_codes(q: torch.Tensor, scales: torch.Tensor, opts: QuantOptions, out=None) -> torch.Tensor:
+    """fp32 ``[n, B]`` values ``(q + offset) * s`` of int8 codes ``[n, B]`` and scales ``[n]``."""
+    s = scales.float().unsqueeze(1)
+    if opts.offset:
+        return torch.add(q, opts.offset, out=out).mul_(s)
+    return torch.mul(q, s, out=out)
+
+
+def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.Tensor:
+    """fp32 ``[n]`` scales of fp32 ``[n, B]`` blocks for ``opts`` (NaN/Inf propagate).
+    Default options: exactly :func:`block_scales`."""
+    base = blocks.abs().amax(dim=1).div_(top_level(bits, opts))
+    if opts.scale == "absmax":
+        return base
+    nearest = dataclasses.replace(opts, rounding="nearest")
+    work = torch.empty_like(blocks)
+    best_s = best_err = None
+    for c in MSE_CLIP_RATIOS:
+        s = base * c
+        lv = levels_(blocks, s, bits, nearest, out=work)
+        err = torch.addcmul(blocks, lv, s.unsqueeze(1), value=-1.0).square_().sum(dim=1)
+        if best_s is None:
+            best_s, best_err = s, err
+        else:  # strictly better only: ties keep the larger ratio; NaN never wins
+            better = err < best_err
+            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+    return best_s
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32_int(x: int) -> int:
+    x &= _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The same 32-bit integer hash as :func:`_mix32_int`, on int64 tensors in [0, 2**32)."""
+    x = ((x >> 16) ^ x).mul_(0x45D9F3B).bitwise_and_(_M32)
+    x = ((x >> 16) ^ x).mul_(0x45D9F3B).bitwise_and_(_M32)
+    return (x >> 16) ^ x
+
+
+def noise_key(seed: int, stream: int, step: int) -> int:
+    """32-bit key of one quantisation call: ``seed`` (the run's), ``stream`` (which buffer
+    on which rank) and ``step`` (the compressor's step counter, which is checkpointed)."""
+    return _mix32_int(_mix32_int(_mix32_int(seed) ^ stream) + step)
+
+
+def uniform_noise(num: int, block_size: int, key: int, first_block: int = 0, device=None) -> torch.Tensor:
+    """fp32 ``[num, block_size]`` in ``[0, 1)`` for blocks ``first_block ..`` of a buffer:
+    a hash of ``(key, element index)``, so any chunking of the buffer sees the same values."""
+    start = first_block * block_size
+    idx = torch.arange(start, start + num * block_size, dtype=torch.int64, device=device)
+    h = _mix32(_mix32((idx & _M32) ^ key).add_(idx >> 32).bitwise_and_(_M32))
+    return (h >> 8).float().mul_(2.0 ** -24).view(num, block_size)
+
+
+def quantize_with(x: torch.Tensor, bits: int, block_size: int, opts: QuantOptions,
+                  key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` with options (same outputs and layout; ``key`` from
+    :func:`noise_key` drives stochastic rounding). Rotation needs a power-of-two block."""
+    _check(bits, block_size)
+    blocks = _blocks(x, block_size)
+    if opts.rotation == "hadamard":
+        blocks = rot.rotate(blocks, rot.signs(block_size, opts.seed, blocks.device))
+    scales = option_scales(blocks, bits, opts)
+    noise = (uniform_noise(blocks.shape[0], block_size, key, 0, blocks.device)
+             if opts.rounding == "stochastic" else None)
+    lv = levels_(blocks, scales, bits, opts, torch.empty_like(blocks), noise)
+    return pack_codes(level_codes(lv, opts), bits), scales
+
+
+def dequantize_with(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
+                    opts: QuantOptions) -> torch.Tensor:
+    """Inverse of :func:`quantize_with`: fp32 flat ``numel`` elements (unrotated)."""
+    q = unpack_codes(codes, bits, block_size).view(-1, block_size)
+    y = dequant_codes(q, scales, opts)
+    if opts.rotation == "hadamard":
+        y = rot.unrotate(y, rot.signs(block_size, opts.seed, y.device))
+    return y.reshape(-1)[:numel]

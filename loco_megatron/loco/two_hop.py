@@ -99,17 +99,18 @@ class TwoHopLayout:
     ``flat``: the buffer as ``W = n*R`` shards (row ``a*R + b`` for rank ``(a, b)``);
     ``intra``: hop 1, those rows grouped by local rank (``pieces = n``), None for the
     uncompressed bf16 hop; ``inter``: hop 2 over hop 1's result of ``n`` rows of
-    ``P`` (the padded shard), one row per node.
+    ``P`` (the padded shard), one row per node. ``options``: the quantiser options of
+    both compressed hops.
     """
 
     def __init__(self, numel: int, nodes: int, per_node: int, intra_bits: int, inter_bits: int,
-                 block_size: int):
+                 block_size: int, options=None):
         self.numel, self.nodes, self.per_node = numel, nodes, per_node
         self.flat = ShardLayout(numel, nodes * per_node, inter_bits, block_size)
         self.shard = self.flat.piece
         self.intra = None if intra_bits == 16 else ShardLayout(numel, per_node, intra_bits, block_size,
-                                                               pieces=nodes)
-        self.inter = ShardLayout(nodes * self.flat.piece_padded, nodes, inter_bits, block_size)
+                                                               pieces=nodes, options=options)
+        self.inter = ShardLayout(nodes * self.flat.piece_padded, nodes, inter_bits, block_size, options=options)
 
     @property
     def hop1_numel(self) -> int:

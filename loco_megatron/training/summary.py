@@ -40,7 +40,8 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
     if lc.enabled:
         sent = numel * lc.loco_bits // 8 + 4 * -(-numel // lc.loco_block_size)
         lines.append(
-            f"LoCo: {lc.loco_bits}-bit, block {lc.loco_block_size}, beta {lc.loco_beta}, error "
+            f"LoCo: {lc.loco_bits}-bit {lc.loco_quantizer}/{lc.loco_scale}/rotation {lc.loco_rotation}/"
+            f"{lc.loco_rounding}, block {lc.loco_block_size}, beta {lc.loco_beta}, error "
             f"{lc.loco_error_bits}-bit, reset every {lc.loco_reset_interval or 'never'}, warmup "
             f"{lc.loco_warmup_iters} steps; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")

@@ -17,6 +17,7 @@ from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
 from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
@@ -70,7 +71,9 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     lc = config.loco
     try:
         kernels = resolve_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
-                                  lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback)
+                                  lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback,
+                                  options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
+                                                       lc.loco_rounding).non_default() if lc.enabled else ())
     except ValueError as e:
         raise ConfigError(str(e)) from None
     per_node = lc.loco_ranks_per_node or env.local_world_size

@@ -25,6 +25,7 @@ distributed optimizer's parameter all-gather) is wrapped the same way, for timin
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
+from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
                                         two_hop_reduce_scatter)
@@ -88,6 +90,8 @@ class GradSyncHook:
         # "auto" is resolved by the trainer (it knows the device); torch when used directly.
         self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
         self._decompress = decompress_into
+        self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
+                                     loco.loco_quant_seed)
         if self._kernels == "triton":
             from loco_megatron.loco import triton_kernels
 
@@ -157,26 +161,30 @@ class GradSyncHook:
             # Without the distributed optimizer megatron does not pad buckets to a multiple
             # of DP: the layout's last row is then shorter (padded inside the compressor).
             layout = ShardLayout(bucket.grad_data.numel(), world, self.loco.loco_bits,
-                                 self.loco.loco_block_size)
+                                 self.loco.loco_block_size, options=self._options)
             self._layouts[key] = layout
-            self.compressors[key] = self._compressor(layout, self.loco.loco_bits, bucket.grad_data.device)
+            self.compressors[key] = self._compressor(layout, self.loco.loco_bits, bucket.grad_data.device, key)
 
-    def _compressor(self, layout: ShardLayout, bits: int, device) -> LoCoCompressor:
+    def _compressor(self, layout: ShardLayout, bits: int, device, key: str) -> LoCoCompressor:
         lc = self.loco
+        # Stochastic rounding stream: this buffer on this rank (the seed and step do the rest).
+        stream = zlib.crc32(f"{key}/rank{dist.get_rank()}".encode())
         return LoCoCompressor(**layout.compressor_shape(), bits=bits, beta=lc.loco_beta,
                               block_size=lc.loco_block_size, error_bits=lc.loco_error_bits,
                               reset_interval=lc.loco_reset_interval,
-                              error_feedback=not lc.loco_no_error_feedback, device=device, kernels=self._kernels)
+                              error_feedback=not lc.loco_no_error_feedback, device=device, kernels=self._kernels,
+                              options=self._options, stream=stream)
 
     def _make_two_hop_compressors(self, group, keys, ng: NodeGroups) -> None:
         for key, bucket in zip(keys, group.buckets):
             layout = TwoHopLayout(bucket.grad_data.numel(), ng.nodes, ng.per_node, self.loco.loco_intra_node_bits,
-                                  self.loco.loco_bits, self.loco.loco_block_size)
+                                  self.loco.loco_bits, self.loco.loco_block_size, options=self._options)
             self._layouts[key] = layout
             dev = bucket.grad_data.device
             if layout.intra is not None:  # hop 1 compensates its own compression error
-                self.compressors[key + ".intra"] = self._compressor(layout.intra, self.loco.loco_intra_node_bits, dev)
-            self.compressors[key + ".inter"] = self._compressor(layout.inter, self.loco.loco_bits, dev)
+                self.compressors[key + ".intra"] = self._compressor(layout.intra, self.loco.loco_intra_node_bits, dev,
+                                                                   key + ".intra")
+            self.compressors[key + ".inter"] = self._compressor(layout.inter, self.loco.loco_bits, dev, key + ".inter")
 
     @staticmethod
     def _comm_group(group):
