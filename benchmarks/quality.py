@@ -12,10 +12,19 @@ two, the parameter all-gather) differs:
     loco4p8       LoCo 4-bit + 8-bit parameter differences (--param-gather-bits 8)
     loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
 
+The 2-bit section (``--variants 2bit``) runs the quantiser options one at a time and
+combined, with LoCo error feedback (``loco2-*``) and without (``noef2-*``); the suffix
+letters are u = --loco-quantizer uniform, m = --loco-scale mse, h = --loco-rotation
+hadamard, s = --loco-rounding stochastic (absent: symmetric, absmax, none, nearest).
+``loco2``, ``ef2``, ``noef2`` are the original 2-bit scheme (every option given
+explicitly) and ``loco2d`` is whatever ``--loco-bits 2`` alone gives.
+
 Writes ``quality.md`` (final and best eval loss per variant, mean and spread over
 seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --out.
 
     python benchmarks/quality.py --out results/quality --seeds 1234,1235
+    python benchmarks/quality.py --out results/quality2bit --variants 2bit --seeds 1234,1235
+    python benchmarks/quality.py --out results/quality2bit_long --iters 400 --variants fp32,loco2d,loco2
     python benchmarks/quality.py --smoke --out /tmp/q    # seconds-scale check
 """
 
@@ -34,17 +43,47 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import compare_runs  # noqa: E402
 
+_OPTION_LETTERS = {"u": ("quantizer", "uniform"), "m": ("scale", "mse"), "h": ("rotation", "hadamard"),
+                   "s": ("rounding", "stochastic")}
+_ORIGINAL = {"quantizer": "symmetric", "scale": "absmax", "rotation": "none", "rounding": "nearest"}
+
+
+def _options(letters: str) -> tuple[str, list[str]]:
+    """(label suffix, flags) of the 2-bit quantiser options named by ``letters``; every
+    option is given explicitly, so the variant does not depend on the 2-bit default."""
+    chosen = dict(_ORIGINAL, **dict(_OPTION_LETTERS[c] for c in letters))
+    flags = [x for name, value in chosen.items() for x in (f"--loco-{name}", value)]
+    label = " + ".join(_OPTION_LETTERS[c][1] for c in letters)
+    return (f" ({label})" if label else ""), flags
+
+
+TWO_BIT_OPTIONS = ("u", "m", "h", "s", "uh", "umh")
+"""The 2-bit section's option sets with error feedback (see the module docstring)."""
+TWO_BIT_NOEF_OPTIONS = ("u", "m", "h", "s", "umh")
+"""... and without."""
+
 VARIANTS = {
     "fp32": ("full precision (fp32 reduce-scatter)", ["--loco-bits", "0"]),
     "loco4": ("LoCo 4-bit", ["--loco-bits", "4"]),
-    "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
+    "loco2": ("LoCo 2-bit", ["--loco-bits", "2", *_options("")[1]]),
+    "loco2d": ("LoCo 2-bit (default options)", ["--loco-bits", "2"]),
     "ef4": ("error feedback 4-bit (beta 0)", ["--loco-bits", "4", "--loco-beta", "0"]),
-    "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0"]),
+    "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0", *_options("")[1]]),
     "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--loco-no-error-feedback"]),
-    "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback"]),
+    "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback", *_options("")[1]]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
 }
+for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lambda x: (len(x), x)):
+    _suffix, _flags = _options(_letters)
+    VARIANTS[f"loco2-{_letters}"] = (f"LoCo 2-bit{_suffix}", ["--loco-bits", "2", *_flags])
+    VARIANTS[f"noef2-{_letters}"] = (f"2-bit, no error feedback{_suffix}",
+                                     ["--loco-bits", "2", "--loco-no-error-feedback", *_flags])
+SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
+                     "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)]}
+"""Names ``--variants`` expands (each a list of variants)."""
+MAIN = [v for v in VARIANTS if v != "loco2d" and "-" not in v]
+"""The variants run when ``--variants`` is not given (the original study)."""
 
 
 def run(out: pathlib.Path, name: str, args: list[str], timeout: float) -> compare_runs.Run:
@@ -73,7 +112,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=200, help="training steps (same token budget for all)")
     ap.add_argument("--seeds", default="1234,1235")
-    ap.add_argument("--variants", default=None, help=f"subset of {','.join(VARIANTS)} (default: all)")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated variants ({', '.join(VARIANTS)}) or sections ({', '.join(SECTIONS)}); "
+                         f"default: {','.join(MAIN)}")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--smoke", action="store_true",
@@ -88,7 +129,7 @@ def main() -> None:
                  "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1"]
     if args.data_cache_path:
         model += ["--data-cache-path", args.data_cache_path]
-    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
+    variants = [x for v in (args.variants or ",".join(MAIN)).split(",") if v for x in SECTIONS.get(v, [v])]
     for v in variants:
         if v not in VARIANTS:
             sys.exit(f"error: --variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
