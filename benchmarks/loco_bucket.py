@@ -6,7 +6,11 @@ by side, the bytes each rank hands to the collective per step for the fp32 and b
 reduce-scatter and for LoCo 8/4/2-bit (the actual send buffer of
 ``compressed_reduce_scatter``: codes + fp32 scales + shard padding), their ratio to
 bf16, and the compress + decompress-and-sum throughput as a ratio to a torch memory
-copy of the same gradient bytes on this machine. A second table adds the distributed
+copy of the same gradient bytes on this machine. The 2-bit quantiser options
+(``--loco-quantizer uniform``, ``--loco-scale mse``, ``--loco-rotation hadamard``,
+``--loco-rounding stochastic``) get rows of their own, measured the same way: every
+option sends ``bits/8`` bytes per padded element plus one fp32 scale per block and no
+side information, so their payload equals the original 2-bit scheme's. A second table adds the distributed
 optimizer's parameter all-gather (bf16 parameters; ``--param-gather-bits`` 8/4: the
 gathered codes + scales of ``loco/param_gather.py``), so gradients + parameters of
 each variant compare with bf16 reduce-scatter + bf16 all-gather.
@@ -31,6 +35,13 @@ from loco_megatron.loco import LoCoCompressor  # noqa: E402
 from loco_megatron.loco.workspace import Workspace  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum  # noqa: E402
 from loco_megatron.loco.param_delta import DeltaLayout  # noqa: E402
+from loco_megatron.loco.quantize import QuantOptions  # noqa: E402
+
+TWO_BIT_OPTIONS = {
+    "uniform": QuantOptions("uniform"),
+    "uniform+mse+hadamard": QuantOptions("uniform", "mse", "hadamard"),
+    "all four options": QuantOptions("uniform", "mse", "hadamard", "stochastic"),
+}
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -63,19 +74,21 @@ def main() -> None:
     torch.manual_seed(0)
     grad = torch.randn(n)
     rows = [("fp32 reduce-scatter", n * 4), ("bf16 reduce-scatter", n * 2)]
-    for bits in (8, 4, 2):
-        layout = ShardLayout(n, w, bits, args.block_size)
-        one = ShardLayout(n, 1, bits, args.block_size)
-        comp = LoCoCompressor(**one.compressor_shape(), bits=bits, block_size=args.block_size)
+    rotation_ok = not args.block_size & (args.block_size - 1)
+    for bits, name, opts in [(8, "", None), (4, "", None), (2, "", None),
+                             *((2, f" {k}", o) for k, o in TWO_BIT_OPTIONS.items() if rotation_ok or o.rotation == "none")]:
+        layout = ShardLayout(n, w, bits, args.block_size, options=opts)
+        one = ShardLayout(n, 1, bits, args.block_size, options=opts)
+        comp = LoCoCompressor(**one.compressor_shape(), bits=bits, block_size=args.block_size, options=opts)
         _, sent = compressed_reduce_scatter(grad.clone(), comp.compress, one, None, async_op=False)
         # Same elements split W ways: only the per-shard block padding differs.
-        rows.append((f"LoCo {bits}-bit", sent + (layout.world * layout.row_bytes - one.row_bytes)))
+        rows.append((f"LoCo {bits}-bit{name}", sent + (layout.world * layout.row_bytes - one.row_bytes)))
 
     bf16 = n * 2
     print(f"bucket: {n:,} fp32 elements over {w} ranks, block {args.block_size}")
-    print(f"{'sync':<22}{'bytes/rank/step':>18}{'vs bf16':>10}")
+    print(f"{'sync':<36}{'bytes/rank/step':>18}{'vs bf16':>10}")
     for name, b in rows:
-        print(f"{name:<22}{b:>18,}{b / bf16:>10.3f}")
+        print(f"{name:<36}{b:>18,}{b / bf16:>10.3f}")
 
     # Gradients + parameters: the all-gather's gathered buffer (W rows of one shard each).
     sent = dict(rows)

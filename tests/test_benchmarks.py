@@ -10,12 +10,15 @@ from conftest import REPO
 
 def test_loco_bucket_smoke():
     """Guards against the bucket benchmark breaking, and against the 4-bit payload
-    drifting above the spec's 0.27 x bf16."""
+    drifting above the spec's 0.27 x bf16 or any 2-bit quantiser option's above 0.14 x
+    (side information creeping onto the wire)."""
     proc = subprocess.run([sys.executable, "benchmarks/loco_bucket.py", "--smoke"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(l for l in proc.stdout.splitlines() if l.startswith("LoCo 4-bit"))
     assert float(row.split()[-1]) <= 0.27
+    two = [float(l.split()[-1]) for l in proc.stdout.splitlines() if l.startswith("LoCo 2-bit")]
+    assert len(two) == 4 and max(two) <= 0.14
     assert "compress+decompress" in proc.stdout
 
 
