@@ -7,7 +7,13 @@ number in it is one a script printed (none is typed in).
 Reads ``RESULTS/speed`` (``benchmarks/speed.py --out``), ``RESULTS/quality``
 (``benchmarks/quality.py --out``) and ``RESULTS/kernels.txt`` (the output of
 ``benchmarks/kernels.py``), copies the plots next to the markdown, and computes the
-headline ratios against the targets of the benchmark issue.
+headline ratios against the targets of the benchmark issue. The 2-bit section comes
+from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
+``RESULTS/quality2bit_long`` (``--iters 400``) when present;
+
+    python benchmarks/report.py --results results --sections 2bit
+
+rewrites only that section of an existing page.
 """
 
 from __future__ import annotations
@@ -111,20 +117,16 @@ def headline_speed(md: str) -> list[str]:
 
 
 def headline_quality(md: str) -> list[str]:
-    rows = {}
-    for line in md.splitlines():
-        if line.startswith("| ") and not line.startswith("| variant"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[cells[0]] = cells
+    rows = _quality_rows(md)
     out = []
     loco4 = rows.get("LoCo 4-bit")
     if loco4:
-        gap = float(loco4[3].rstrip("%"))
+        gap = float(loco4[2].rstrip("%"))
         out.append(f"- LoCo 4-bit final eval loss {gap:+.2f}% vs full precision "
                    f"(target within 1%: {'met' if abs(gap) <= 1 else 'missed'}).")
     loco2, noef2 = rows.get("LoCo 2-bit"), rows.get("2-bit, no error feedback")
     if loco2 and noef2:
-        a, b = float(loco2[1].split()[0]), float(noef2[1].split()[0])
+        a, b = float(loco2[0].split()[0]), float(noef2[0].split()[0])
         out.append(f"- 2-bit: LoCo {a:.4f} vs no error feedback {b:.4f} final eval loss "
                    f"(no-feedback {'clearly worse' if b > a + 0.02 else 'not clearly worse'}).")
     return out
@@ -152,8 +154,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--sections", choices=["all", "2bit"], default="all",
+                    help="2bit: replace only the 2-bit section of the existing --out page")
     args = ap.parse_args()
     res, out = pathlib.Path(args.results), pathlib.Path(args.out)
+    if args.sections == "2bit":
+        return update_two_bit(res, out)
     assets = out.parent / "benchmarks"
     assets.mkdir(parents=True, exist_ok=True)
     for needed in (res / "speed" / "speed.md", res / "quality" / "quality.md", res / "kernels.txt"):
@@ -225,6 +231,7 @@ def main() -> None:
         "(1M-256M elements, ratio to a device-to-device copy, speedup over torch).",
         "",
         *optional_sections(res),
+        *two_bit_section(res),
         "## What the numbers mean",
         "",
         "- LoCo compresses the gradient reduce-scatter. With the distributed optimizer the",
@@ -270,6 +277,70 @@ def optional_sections(res: pathlib.Path) -> list[str]:
         out += ["## 5. Preprocessing throughput (`benchmarks/preprocess.py`)", "", "```",
                 (res / "preprocess.txt").read_text().strip(), "```", ""]
     return out
+
+
+TWO_BIT_HEADING = "## 6. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
+
+
+def _quality_rows(md: str) -> dict[str, list[str]]:
+    """label -> cells (final, best, gap) of a ``quality.py`` table."""
+    rows = {}
+    for line in md.splitlines():
+        if line.startswith("| ") and not line.startswith("| variant"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def headline_two_bit(md: str, label: str) -> list[str]:
+    """Target (issue 17): LoCo 2-bit final eval loss within 1% of full precision."""
+    rows = {k: v for k, v in _quality_rows(md).items() if k.startswith("LoCo 2-bit")}
+    if not rows:
+        return []
+    best = min(rows, key=lambda k: float(rows[k][2].rstrip("%")))
+    gap = float(rows[best][2].rstrip("%"))
+    out = [f"- 2-bit ({label}): best {best} final eval loss {gap:+.2f}% vs full precision "
+           f"(target within 1%: {'met' if abs(gap) <= 1 else 'missed'})"]
+    if "LoCo 2-bit" in rows and best != "LoCo 2-bit":
+        out[-1] += f"; the original 2-bit scheme {rows['LoCo 2-bit'][2]}"
+    out[-1] += "."
+    return out
+
+
+def two_bit_section(res: pathlib.Path) -> list[str]:
+    """Section 6 from RESULTS/quality2bit (and RESULTS/quality2bit_long) when present."""
+    parts = [(res / "quality2bit" / "quality.md", "200 steps"), (res / "quality2bit_long" / "quality.md", "long run")]
+    parts = [(p.read_text(), label) for p, label in parts if p.is_file()]
+    if not parts:
+        return []
+    out = [TWO_BIT_HEADING, "",
+           "Quantiser options at 2 bits (u = uniform grid, m = MSE-clipped scale, h = block Hadamard",
+           "rotation, s = stochastic rounding; none = the original symmetric absmax scheme), with LoCo's",
+           "error feedback and without; then a longer run of full precision, the 2-bit default and the",
+           "original scheme.", ""]
+    for md, label in parts:
+        out += [*headline_two_bit(md, label), "", re.sub(r"^# (.*)$", r"*\1*", md, count=1, flags=re.M), ""]
+    return out
+
+
+def update_two_bit(res: pathlib.Path, out: pathlib.Path) -> None:
+    """Replace (or insert, before "What the numbers mean") section 6 of an existing page."""
+    section = two_bit_section(res)
+    if not section:
+        sys.exit(f"error: {res / 'quality2bit' / 'quality.md'} is missing; run quality.py --variants 2bit first")
+    if not out.is_file():
+        sys.exit(f"error: {out} does not exist; generate the whole page first")
+    text = out.read_text()
+    new = "\n".join(section)
+    if TWO_BIT_HEADING in text:
+        head, rest = text.split(TWO_BIT_HEADING, 1)
+        tail = rest[rest.index("\n## "):] if "\n## " in rest else "\n"
+        text = head + new.rstrip("\n") + "\n" + tail
+    else:
+        head, tail = text.split("## What the numbers mean", 1)
+        text = head + new + "\n## What the numbers mean" + tail
+    out.write_text(text)
+    print(out)
 
 
 if __name__ == "__main__":

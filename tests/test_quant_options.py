@@ -209,14 +209,16 @@ def test_state_and_option_checks():
         LoCoCompressor(600, bits=2, kernels="triton", options=ALL)
     with pytest.raises(ValueError, match="rounding must be one of"):
         qz.QuantOptions(rounding="up")
-    with pytest.raises(ConfigError, match="--loco-rotation: hadamard needs a power-of-two"):
-        LoCoConfig(loco_bits=2, loco_rotation="hadamard", loco_block_size=24)
+    with pytest.raises(ConfigError, match="--loco-rotation: hadamard .* needs a power-of-two"):
+        LoCoConfig(loco_bits=2, loco_block_size=24)
+    assert LoCoConfig(loco_bits=2, loco_block_size=24, loco_rotation="none").loco_quantizer == "uniform"
     with pytest.raises(ConfigError, match="--loco-scale: 'l2' is not one of absmax, mse"):
         LoCoConfig(loco_bits=2, loco_scale="l2")
-    # 4 and 8 bits keep the original scheme unless asked
-    four = LoCoConfig(loco_bits=4)
-    assert (four.loco_quantizer, four.loco_scale, four.loco_rotation, four.loco_rounding) == \
-        ("symmetric", "absmax", "none", "nearest")
+    # 2 bits default to the study's choice; 4 and 8 bits keep the original scheme unless asked
+    opts = lambda c: (c.loco_quantizer, c.loco_scale, c.loco_rotation, c.loco_rounding)  # noqa: E731
+    assert opts(LoCoConfig(loco_bits=2)) == ("uniform", "mse", "hadamard", "nearest")
+    assert opts(LoCoConfig(loco_bits=4)) == opts(LoCoConfig(loco_bits=8)) == ("symmetric", "absmax", "none", "nearest")
+    assert opts(LoCoConfig(loco_bits=2, loco_scale="absmax")) == ("uniform", "absmax", "hadamard", "nearest")
 
 
 def _free_port() -> int:

@@ -7,7 +7,9 @@ from typing import Optional
 
 from loco_megatron.config.base import require
 
-LOCO_DEFAULT_OPTIONS: dict[int, dict[str, str]] = {}
+LOCO_DEFAULT_OPTIONS: dict[int, dict[str, str]] = {
+    2: {"quantizer": "uniform", "scale": "mse", "rotation": "hadamard", "rounding": "nearest"},
+}
 """Quantiser options a run gets per --loco-bits when their flags are not given (absent:
 symmetric, absmax, none, nearest - the original scheme). Chosen by the quality study
 (README, "2-bit quantiser options")."""
@@ -73,7 +75,8 @@ class LoCoConfig:
             require(value in allowed, f"loco_{name}", f"{value!r} is not one of {', '.join(allowed)}")
         bs = self.loco_block_size
         require(self.loco_rotation == "none" or (bs > 0 and bs & (bs - 1) == 0), "loco_rotation",
-                f"hadamard needs a power-of-two --loco-block-size, got {bs}")
+                f"hadamard (the {self.loco_bits}-bit default unless --loco-rotation none is given) needs a "
+                f"power-of-two --loco-block-size, got {bs}")
         require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
                  f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
         require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",
