@@ -120,3 +120,27 @@ def test_memory_analytic_table_backs_the_configs():
                      p.sequence_parallel, micro_batch=c.data.micro_batch_size)
         assert 0 < r["total"] < 0.92 * 80e9, (name, r)
         assert r["total"] == pytest.approx(sum(v for k, v in r.items() if k not in ("total", "params")))
+
+
+def test_report_rewrites_only_the_two_bit_section(tmp_path, monkeypatch):
+    """Guards against `report.py --sections 2bit` clobbering the rest of the page, inserting
+    the section twice on a second run, or a 2-bit headline not taken from the table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report
+
+    table = ("# Loss parity: 200 steps\n\n| variant | final eval loss | best eval loss | gap to fp32 (final) |\n"
+             "|---|---|---|---|\n| full precision (fp32 reduce-scatter) | 4.98 | 4.98 | +0.00% |\n"
+             "| LoCo 2-bit | 5.16 | 5.16 | +3.60% |\n| LoCo 2-bit (uniform + mse) | 5.01 | 5.01 | +0.60% |\n")
+    (tmp_path / "quality2bit").mkdir()
+    (tmp_path / "quality2bit" / "quality.md").write_text(table)
+    page = tmp_path / "b.md"
+    page.write_text("# B\n\n## 5. Pre\n\nkeep me\n\n## What the numbers mean\n\n- end\n")
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
+                                          "--sections", "2bit"])
+        report.main()
+    text = page.read_text()
+    assert text.count(report.TWO_BIT_HEADING) == 1 and "keep me" in text and text.endswith("- end\n")
+    assert text.index(report.TWO_BIT_HEADING) < text.index("## What the numbers mean")
+    assert "best LoCo 2-bit (uniform + mse) final eval loss +0.60%" in text and "met" in text
+    assert "original 2-bit scheme +3.60%" in text
