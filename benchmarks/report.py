@@ -317,7 +317,11 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
            "Quantiser options at 2 bits (u = uniform grid, m = MSE-clipped scale, h = block Hadamard",
            "rotation, s = stochastic rounding; none = the original symmetric absmax scheme), with LoCo's",
            "error feedback and without; then a longer run of full precision, the 2-bit default and the",
-           "original scheme.", ""]
+           "original scheme.", "", "```bash",
+           "python benchmarks/quality.py --out results/quality2bit --variants 2bit --seeds 1234,1235",
+           "python benchmarks/quality.py --out results/quality2bit_long --iters 400 --variants fp32,loco2d,loco2 "
+           "--seeds 1234,1235",
+           "python benchmarks/report.py --results results --sections 2bit", "```", ""]
     for md, label in parts:
         out += [*headline_two_bit(md, label), "", re.sub(r"^# (.*)$", r"*\1*", md, count=1, flags=re.M), ""]
     return out
