@@ -221,7 +221,6 @@ class Checkpointer:
             self.timings.append({"ckpt/blocking_s": write_s, "ckpt/write_s": write_s, "ckpt/iteration": iteration})
         else:
             self.timings.append({"ckpt/write_s": write_s, "ckpt/iteration": iteration})
-            self.log(f"checkpoint: iteration {iteration} committed (written in the background, {write_s:.2f} s)")
 
     def poll(self) -> None:
         """Collective: commit a background write that every rank finished (no wait)."""
