@@ -252,8 +252,15 @@ class Checkpointer:
     def load(self, path: pathlib.Path, stateful: dict) -> int:
         """Verify the checksums, restore every registered object and the RNG; returns the
         saved iteration."""
+        t0 = time.perf_counter()
         if torch_dist.is_torch_dist(path):
-            return torch_dist.load(path, stateful, self.layout_key, self.log)
+            iteration = torch_dist.load(path, stateful, self.layout_key, self.log)
+        else:
+            iteration = self._load_rank_file(path, stateful)
+        self.timings.append({"ckpt/load_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
+        return iteration
+
+    def _load_rank_file(self, path: pathlib.Path, stateful: dict) -> int:
         file = path / f"rank_{self.rank:05d}.pt"
         meta = path / f"rank_{self.rank:05d}.json"
         if meta.is_file():  # checkpoints written before checksums have none to verify

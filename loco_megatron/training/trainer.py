@@ -193,6 +193,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     if layout.is_logging_rank:
         print(startup_summary(config, layout, chunks, vocab), flush=True)
         print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)
+    for timing in ckpt.take_timings():  # ckpt/load_s
+        logger.log(state.iteration, timing)
 
     tokens_per_step = d.global_batch_size * config.model.seq_length
     last: dict = {}
