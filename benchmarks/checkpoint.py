@@ -2,7 +2,7 @@
 """Checkpoint cost per format: save and load time, bytes on disk per parameter, and how
 long the training loop is blocked by a synchronous vs an --async-save save.
 
-    python benchmarks/checkpoint.py --smoke    # tiny model, one save each (a minute)
+    python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each
     python benchmarks/checkpoint.py            # tiny + larger CPU model, 3 saves each
 
 Each variant is a real run of ``pretrain_gpt.py`` on 2 CPU ranks (DP2, distributed
@@ -82,13 +82,14 @@ def main() -> None:
     cache = args.data_cache_path or str(pathlib.Path.home() / ".cache" / "loco_megatron")
     models = {k: v for k, v in MODELS.items() if k.startswith("tiny")} if args.smoke else MODELS
     iters = 2 if args.smoke else 6
+    variants = {k: VARIANTS[k] for k in ("torch", "torch_dist async")} if args.smoke else VARIANTS
     rows = ["| model | format | blocked per save (s) | vs torch | write (s) | vs torch | load (s) | vs torch "
             "| bytes/param | vs torch |", "|---|---|---|---|---|---|---|---|---|---|"]
     print(f"2 CPU ranks (DP2), {iters} steps, a save every 2 steps; means over the saves\n")
     print("\n".join(rows), flush=True)
     for name, model_args in models.items():
         base = None
-        for variant, extra in VARIANTS.items():
+        for variant, extra in variants.items():
             r = measure(model_args, extra, iters, cache)
             base = base or r
             rows.append(f"| {name} ({r['params'] / 1e6:.2f}M params) | {variant} | {r['blocking_s']:.3f} | "

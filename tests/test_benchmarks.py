@@ -117,3 +117,13 @@ def test_memory_analytic_table_backs_the_configs():
                      p.sequence_parallel, micro_batch=c.data.micro_batch_size)
         assert 0 < r["total"] < 0.92 * 80e9, (name, r)
         assert r["total"] == pytest.approx(sum(v for k, v in r.items() if k not in ("total", "params")))
+
+
+def test_checkpoint_smoke(cache_dir):
+    """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
+    the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
+    per parameter). Asserts on sizes, never on the printed times."""
+    out = _run(["benchmarks/checkpoint.py", "--smoke", "--data-cache-path", cache_dir]).stdout.splitlines()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
+    assert [r[1] for r in rows] == ["torch", "torch_dist async"]
+    assert all(float(r[8]) >= 12 for r in rows), rows
