@@ -160,7 +160,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     cc = config.checkpoint
     ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
                         dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
-    resume = ckpt.find_resume_dir()  # a layout mismatch is refused here, before the model is built
+    resume = ckpt.find_resume_dir()  # another model shape (torch format: layout) is refused before the build
     chunks = build_model(config, vocab, device)
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
