@@ -28,6 +28,7 @@ is read.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Callable, Optional
 
@@ -93,11 +94,37 @@ def state_dict(stateful: dict, layout_key: dict, run_config: Optional[dict], ite
     return sd
 
 
+def _start_writer_manager_detached() -> None:
+    """megatron's torch_dist writer starts a multiprocessing Manager (a spawned server
+    process) at the first save. It inherits stdout/stderr: when a rank is SIGKILLed the
+    orphaned manager keeps the launcher's pipes open, and whatever waits for their end
+    (a supervisor, a restart test) hangs. Start it with /dev/null as stdout/stderr."""
+    import sys
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        filesystem_async._get_write_results_queue()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
 def save(folder: pathlib.Path, sd: dict, async_save: bool):
     """Write ``sd`` into ``folder``; with ``async_save`` returns megatron's AsyncRequest
     (the write runs once scheduled; its finalize functions complete the metadata)."""
     from megatron.core import dist_checkpointing
 
+    _start_writer_manager_detached()
     return dist_checkpointing.save(sd, str(folder), async_sharded_save=async_save,
                                    preprocess_common_before_consistancy_check=_without_clock)
 
