@@ -264,8 +264,9 @@ def main() -> None:
 
 
 def optional_sections(res: pathlib.Path) -> list[str]:
-    """Sections 4-5 when their outputs exist: RESULTS/memory.txt (``benchmarks/memory.py``)
-    and RESULTS/preprocess.txt (``benchmarks/preprocess.py``)."""
+    """Sections 4-6 when their outputs exist: RESULTS/memory.txt (``benchmarks/memory.py``),
+    RESULTS/preprocess.txt (``benchmarks/preprocess.py``) and RESULTS/checkpoint.txt
+    (``benchmarks/checkpoint.py``)."""
     out = []
     if (res / "memory.txt").is_file():
         out += ["## 4. Memory per rank and layouts (`benchmarks/memory.py`)", "",
@@ -276,6 +277,13 @@ def optional_sections(res: pathlib.Path) -> list[str]:
     if (res / "preprocess.txt").is_file():
         out += ["## 5. Preprocessing throughput (`benchmarks/preprocess.py`)", "", "```",
                 (res / "preprocess.txt").read_text().strip(), "```", ""]
+    if (res / "checkpoint.txt").is_file():
+        out += ["## 6. Checkpoints (`benchmarks/checkpoint.py`)", "",
+                "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
+                "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
+                "training loop is blocked per save, until the save is committed, loading, and bytes",
+                "on disk per parameter.", "",
+                (res / "checkpoint.txt").read_text().strip(), ""]
     return out
 
 

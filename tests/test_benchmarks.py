@@ -144,3 +144,13 @@ def test_report_rewrites_only_the_two_bit_section(tmp_path, monkeypatch):
     assert text.index(report.TWO_BIT_HEADING) < text.index("## What the numbers mean")
     assert "best LoCo 2-bit (uniform + mse) final eval loss +0.60%" in text and "met" in text
     assert "original 2-bit scheme +3.60%" in text
+
+
+def test_checkpoint_smoke(cache_dir):
+    """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
+    the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
+    per parameter). Asserts on sizes, never on the printed times."""
+    out = _run(["benchmarks/checkpoint.py", "--smoke", "--data-cache-path", cache_dir]).stdout.splitlines()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
+    assert [r[1] for r in rows] == ["torch", "torch_dist async"]
+    assert all(float(r[8]) >= 12 for r in rows), rows
