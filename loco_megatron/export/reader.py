@@ -49,10 +49,29 @@ def resolve_iteration_dir(load: str) -> pathlib.Path:
     if any(path.glob("rank_*.pt")):
         raise ConfigError(f"--load: {path} was saved with --ckpt-format torch (one file per rank, which cannot "
                           "be resharded); save it with --ckpt-format torch_dist to export it")
-    for name in ("metadata.json", "common.pt"):
+    for name in ("metadata.json", "common.pt", ".metadata"):
         if not (path / name).is_file():
             raise ConfigError(f"--load: {path / name} is missing: not a complete torch_dist checkpoint")
+    verify_checksums(path)
     return path
+
+
+def verify_checksums(path: pathlib.Path) -> None:
+    """Compare every file against the SHA-256 the saving ranks recorded (``sha256.rank_R.json``,
+    written by the torch_dist saver of ``loco_megatron.checkpoint``): a corrupt shard that
+    still unpickles would otherwise export wrong weights silently."""
+    try:
+        from loco_megatron.checkpoint import files
+    except ImportError:  # before the torch_dist saver (branch wt-ckpt) is merged: no sidecars
+        return
+    entries = files.sidecar_entries(path)
+    if not entries:
+        raise ConfigError(f"--load: {path} has no sha256.rank_*.json (an incomplete copy?)")
+    for name, want in entries:
+        if not (path / name).is_file():
+            raise ConfigError(f"--load: {path / name} is missing (listed in the checkpoint's checksums)")
+        if files.sha256(path / name) != want:
+            raise ConfigError(f"--load: {path / name} does not match its recorded SHA-256 (corrupt file)")
 
 
 def read_run_config(path: pathlib.Path) -> Config:
@@ -116,6 +135,8 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
+    # torch.distributed.checkpoint's read errors (e.g. a truncated shard) derive from BaseException.
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from loco_megatron.distributed import init_distributed
     from loco_megatron.model import build_model
@@ -129,6 +150,11 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
             sharded = chunk.sharded_state_dict() if ddp_prefix else chunk.module.sharded_state_dict()
             try:
                 loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
+            except CheckpointException as e:
+                inner = next(iter(e.failures.values()), e)  # (exception, traceback) per rank
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                raise ConfigError(f"--load: a shard file (__*.distcp) in {path} is damaged or truncated "
+                                  f"({_first_line(inner)})") from None
             except Exception as e:
                 raise ConfigError(f"--load: {path} cannot be read ({_first_line(e)})") from None
         finally:
@@ -140,4 +166,4 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
 
 def _first_line(e: Exception) -> str:
     text = re.sub(r"\s+", " ", str(e)).strip()
-    return f"{type(e).__name__}: {text[:200]}"
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

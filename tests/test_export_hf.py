@@ -1,0 +1,181 @@
+"""tools/export_hf.py: torch_dist checkpoints of parallel layouts -> transformers folders that
+compute the framework's logits, with a tokenizer that encodes like the run's sentencepiece model.
+
+Checkpoints come from tests/export_fixture.py (a torchrun script that saves by the
+checkpoint contract: dist_checkpointing of {"model": chunk 0's sharded state dict,
+"config": asdict(config)}) and hold that layout's own forward logits for fixed ids.
+"""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from conftest import REPO
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "1", "--global-batch-size", "2"]
+
+
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> pathlib.Path:
+    """A small byte-fallback BPE tokenizer trained like the built-in corpus's (400 pieces)."""
+    from loco_megatron.data.corpus import stdlib_documents
+    from loco_megatron.data.tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("export")
+    train_sentencepiece(stdlib_documents()[:40], str(root / "tok"), 400)
+    return root
+
+
+def _checkpoint(work: pathlib.Path, name: str, flags: list) -> pathlib.Path:
+    out = work / name
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(REPO / "tests" / "export_fixture.py"), str(out), str(work / "tok.model"), *SHAPE, *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _export(work: pathlib.Path, load, out, *extra, tokenizer: bool = True) -> subprocess.CompletedProcess:
+    tok = ["--tokenizer-model", str(work / "tok.model")] if tokenizer else []
+    return _run([sys.executable, "tools/export_hf.py", "--load", str(load), "--out", str(out), *tok, *extra])
+
+
+def _assert_logits_match(folder: pathlib.Path, reference: pathlib.Path, architecture: str):
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(reference)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == architecture
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    assert logits.shape == ref["logits"].shape  # vocabulary padding stripped
+    scale = ref["logits"].abs().max()
+    assert (logits - ref["logits"]).abs().max() <= 1e-4 * scale, (logits - ref["logits"]).abs().max()
+
+
+@pytest.fixture(scope="module")
+def dense(work) -> pathlib.Path:
+    """TP 2, GQA (4 heads, 2 query groups), untied embeddings; exported to work/dense_hf."""
+    ckpt = _checkpoint(work, "dense", ["--tensor-model-parallel-size", "2", "--num-query-groups", "2"])
+    proc = _export(work, ckpt / "ckpt", work / "dense_hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("exported ") and "saved as TP 2 x PP 1 x EP 1" in proc.stdout
+    return ckpt
+
+
+def test_dense_tp2_checkpoint_exports_to_llama_with_the_same_logits(work, dense):
+    """Guards against a wrong split of megatron's fused per-query-group linear_qkv into q/k/v
+    (GQA heads paired with the wrong k/v), gate/up swapped in SwiGLU's fc1, norms mapped to
+    the wrong layer or slot (the fixture randomises them), TP slices of a TP 2 checkpoint not
+    reassembled, vocabulary padding left in the embedding, or a config.json (RoPE theta,
+    eps, head counts) that computes something else."""
+    import json
+
+    hf = json.loads((work / "dense_hf" / "config.json").read_text())
+    assert (hf["architectures"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (
+        ["LlamaForCausalLM"], 2, False)
+    _assert_logits_match(work / "dense_hf", dense / "reference.pt", "LlamaForCausalLM")
+
+
+def test_exported_tokenizer_encodes_like_sentencepiece(work, dense):
+    """Guards against the exported tokenizer giving other ids than the sentencepiece model the
+    run trained with: transformers' own LlamaTokenizer conversion merges whitespace runs
+    (indentation) differently for about a quarter of source-code chunks, treats a leading
+    space differently, and reads '<s>' in text as the control token; also guards against
+    a <s> prepended that training never saw, and a decode that does not give the text back."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(work / "tok.model"))
+    tok = AutoTokenizer.from_pretrained(work / "dense_hf")
+    texts = [" leading space", "  two", "x\n\tif a:\n        return  b  ", "héllo 世界 🙂\x00", "<s> a </s>", ""]
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[30:70]:
+        src = path.read_text(encoding="utf-8", errors="replace")
+        texts += [src[i:i + 2000] for i in range(0, min(len(src), 20000), 2000)]
+    for text in texts:
+        ids = sp.encode(text)
+        assert tok(text)["input_ids"] == ids, text[:60]
+        assert tok.decode(ids) == sp.decode(ids), text[:60]
+
+
+def test_moe_ep2_checkpoint_exports_to_mixtral_with_the_same_logits(work):
+    """Guards against experts of an EP 2 checkpoint not reassembled or renumbered, the router
+    mapped to the wrong tensor, a routing normalisation that differs from megatron's
+    (top-k of the logits then softmax over those k = Mixtral's softmax, top-k, renormalise),
+    gate/up of each expert swapped, tied embeddings exported as an output layer, and the
+    run's own tokenizer (named in the saved config) not found without --tokenizer-model."""
+    ckpt = _checkpoint(work, "moe", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+                                     "--expert-model-parallel-size", "2",
+                                     "--no-untie-embeddings-and-output-weights"])
+    # An iter_N folder, not the root; the tokenizer is the one the run's config names.
+    proc = _export(work, ckpt / "ckpt" / "iter_0000001", work / "moe_hf", tokenizer=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved as TP 1 x PP 1 x EP 2" in proc.stdout
+    _assert_logits_match(work / "moe_hf", ckpt / "reference.pt", "MixtralForCausalLM")
+
+
+def _assert_one_line_error(proc, *words):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export_hf.py: error: "), proc.stderr[-2000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_path):
+    """Guards against tracebacks or partial folders for: an option LLaMA cannot express
+    (learned absolute positions would export silently wrong), a missing --load, a
+    half-written checkpoint (no metadata), the per-rank torch format (cannot be resharded),
+    a truncated shard, the wrong tokenizer, and an existing --out (overwritten)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = dense / "ckpt" / "iter_0000001"
+    out = tmp_path / "hf"
+
+    learned = tmp_path / "learned"
+    shutil.copytree(ckpt, learned)
+    common = dist_checkpointing.load_common_state_dict(str(learned))
+    common["config"]["model"]["position_embedding_type"] = "learned_absolute"
+    torch.save(common, learned / "common.pt")
+    _assert_one_line_error(_export(work, learned, out), "--position-embedding-type learned_absolute")
+
+    _assert_one_line_error(_export(work, tmp_path / "nowhere", out), "--load", "does not exist")
+
+    half = tmp_path / "half"
+    shutil.copytree(ckpt, half)
+    (half / "metadata.json").unlink()
+    _assert_one_line_error(_export(work, half, out), "metadata.json")
+
+    per_rank = tmp_path / "torch_format" / "iter_0000003"
+    per_rank.mkdir(parents=True)
+    (per_rank / "rank_00000.pt").write_bytes(b"x")
+    (per_rank.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    _assert_one_line_error(_export(work, per_rank.parent, out), "--ckpt-format torch_dist")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ckpt, truncated)
+    shard = next(truncated.glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _assert_one_line_error(_export(work, truncated, out), str(truncated), "truncated")
+
+    from loco_megatron.data.corpus import stdlib_documents
+    from loco_megatron.data.tokenizer import train_sentencepiece
+
+    other = train_sentencepiece(stdlib_documents()[:40], str(tmp_path / "other"), 600)
+    _assert_one_line_error(_export(work, ckpt, out, "--tokenizer-model", other), "--tokenizer-model", "600 pieces")
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _assert_one_line_error(_export(work, ckpt, out), "--out", "already exists")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
