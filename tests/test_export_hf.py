@@ -179,3 +179,29 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     (out / "keep.txt").write_text("mine")
     _assert_one_line_error(_export(work, ckpt, out), "--out", "already exists")
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_options_llama_and_mixtral_cannot_express_are_named():
+    """Guards against exporting a model transformers would compute differently without a
+    word: learned positions, LayerNorm, a GeLU MLP with biases, or megatron's pre-softmax
+    routing (softmax over all experts, top-k, no renormalisation: not Mixtral's); and against
+    refusing the shipped LLaMA/Mixtral configs."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+    from loco_megatron.export.hf_config import check_exportable
+    from loco_megatron.export.reader import single_rank_config
+    from loco_megatron.model import transformer_config
+
+    for name in ("tiny_gpt", "tiny_moe", "llama2_7b", "mixtral_8x7b"):
+        config = single_rank_config(parse_config(["--config", str(REPO / "configs" / f"{name}.yaml")]))
+        check_exportable(config, transformer_config(config))
+    for flags, named in ((["--position-embedding-type", "learned_absolute"], "--position-embedding-type"),
+                         (["--normalization", "LayerNorm"], "--normalization LayerNorm"),
+                         (["--no-swiglu"], "--no-swiglu")):
+        with pytest.raises(ConfigError, match=named):
+            check_exportable(parse_config(flags))
+    moe = parse_config(["--config", str(REPO / "configs" / "tiny_moe.yaml")])
+    tconf = transformer_config(moe)
+    tconf.moe_router_pre_softmax = True
+    with pytest.raises(ConfigError, match="moe_router_pre_softmax"):
+        check_exportable(moe, tconf)
