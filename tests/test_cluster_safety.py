@@ -55,7 +55,7 @@ def test_moe_with_ep_equal_dp_compresses_only_dense_buckets(cache_dir, tmp_path)
     compressed dense-bucket payload."""
     ck = tmp_path / "ck"
     args = TINY + ["--train-iters", "3", "--loco-bits", "4", "--num-experts", "4",
-                   "--expert-model-parallel-size", "2", "--save", str(ck)]
+                   "--expert-model-parallel-size", "2", "--save", str(ck), "--ckpt-format", "torch"]
     _, metrics = torchrun(2, args, cache_dir, tmp_path)
     keys = list(torch.load(ck / "iter_0000003" / "rank_00000.pt", weights_only=False)["loco"])
     assert keys and all(k.startswith("dense.") for k in keys), keys

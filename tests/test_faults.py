@@ -138,7 +138,7 @@ def test_load_without_latest_recovers_and_nothing_is_overwritten(cache_dir, tmp_
     overwriting the existing iter_* checkpoints (a lost `latest`, or a mistyped --load);
     and against a bit-flipped rank file loading silently."""
     ck = tmp_path / "ck"
-    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6"]
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--ckpt-format", "torch"]
     torchrun(2, args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2"], cache_dir, tmp_path,
              name="first")
     saved = _digests(ck)

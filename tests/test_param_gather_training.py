@@ -58,7 +58,8 @@ def test_overlap_matches_sync_resumes_and_switches_bits(cache_dir, tmp_path):
     unagreed weights, state missing from the checkpoint (resume not bit-exact: the
     exact fp32 main shard of an fp32 model), and a checkpoint written with
     --param-gather-bits 4 not loading with --param-gather-bits 0."""
-    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--param-gather-bits", "4"]
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--param-gather-bits", "4",
+                   "--ckpt-format", "torch"]
     _, sync = torchrun(2, args + ["--save", str(tmp_path / "ck_sync"), "--save-interval", "3"], cache_dir,
                        tmp_path, name="sync")
     ck = str(tmp_path / "ck")

@@ -79,7 +79,8 @@ def test_loco4_virtual_pipeline_pp2xdp2_resumes_bit_exact(cache_dir, tmp_path):
                     "--recompute-granularity", "full", "--recompute-method", "block"]
     _, full = torchrun(4, args, cache_dir, tmp_path, name="full")
     ck = tmp_path / "ck"
-    torchrun(4, args + ["--train-iters", "3", "--save", str(ck)], cache_dir, tmp_path, name="first")
+    torchrun(4, args + ["--train-iters", "3", "--save", str(ck), "--ckpt-format", "torch"], cache_dir, tmp_path,
+             name="first")
     _, resumed = torchrun(4, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
     a, b = train_losses(full), train_losses(resumed)
     assert _falls(a)

@@ -74,7 +74,7 @@ def test_overlap_param_gather_matches_and_resumes(cache_dir, tmp_path):
     """Guards against stale weights with --overlap-param-gather: the deferred all-gather
     must give the same losses as the synchronous one, and a checkpoint written while a
     gather is pending must hold the updated weights (resume continues identically)."""
-    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--bf16"]
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--bf16", "--ckpt-format", "torch"]
     _, sync = torchrun(2, args + ["--save", str(tmp_path / "ck_sync"), "--save-interval", "3"], cache_dir,
                        tmp_path, name="sync")
     ck = str(tmp_path / "ck")
@@ -98,7 +98,7 @@ def test_nan_on_one_rank_skips_step_and_keeps_error(cache_dir, tmp_path):
     """Guards against a NaN gradient updating the weights or entering LoCo's error."""
     ck = tmp_path / "ck"
     args = TINY + ["--train-iters", "4", "--loco-bits", "4", "--inject-nan", "4:1",
-                   "--save", str(ck), "--save-interval", "1"]
+                   "--save", str(ck), "--save-interval", "1", "--ckpt-format", "torch"]
     _, metrics = torchrun(2, args, cache_dir, tmp_path)
     assert [m for m in metrics if "train/skipped_iters" in m][-1]["train/skipped_iters"] == 1
     before = torch.load(ck / "iter_0000003" / "rank_00001.pt", weights_only=False)

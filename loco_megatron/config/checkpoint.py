@@ -15,7 +15,18 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every this many steps (0 = only at the end when --save is set)."""
     load: Optional[str] = None
-    """Directory to resume from (its latest complete checkpoint)."""
+    """Directory to resume from (its latest complete checkpoint, in either format)."""
+    ckpt_format: str = "torch_dist"
+    """Format --save writes: torch_dist (megatron-core dist_checkpointing: loads under another
+    world size / TP / PP / EP / DP with the same model shape) or torch (one file per rank:
+    faster, resumes only with the same layout)."""
+    async_save: bool = False
+    """torch_dist only: write checkpoints in a background process while training continues;
+    the checkpoint is committed (renamed, `latest` updated) once every rank's write finished."""
 
     def __post_init__(self):
         require(self.save_interval >= 0, "save_interval", "must be >= 0")
+        require(self.ckpt_format in ("torch_dist", "torch"), "ckpt_format",
+                f"{self.ckpt_format!r} is not one of torch_dist, torch")
+        require(not (self.async_save and self.ckpt_format != "torch_dist"), "async_save",
+                "needs --ckpt-format torch_dist")

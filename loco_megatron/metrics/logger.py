@@ -76,6 +76,10 @@ class MetricsLogger:
     @staticmethod
     def _line(it: int, m: dict, total: Optional[int]) -> str:
         parts = [f"iter {it}" + (f"/{total}" if total else "")]
+        if "ckpt/iteration" in m:  # a save: the time training waited, the time until it was on disk
+            parts.append(f"checkpoint {m['ckpt/iteration']}"
+                         + (f" blocked {m['ckpt/blocking_s']:.2f}s" if "ckpt/blocking_s" in m else "")
+                         + (f" written {m['ckpt/write_s']:.2f}s" if "ckpt/write_s" in m else ""))
         if "train/lm_loss" in m:
             parts += [f"loss {m['train/lm_loss']:.4f}", f"lr {m['train/lr']:.2e}",
                       f"grad norm {m['train/grad_norm']:.3f}", f"tokens/s {m['train/tokens_per_s']:.0f}",

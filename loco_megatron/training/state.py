@@ -23,6 +23,20 @@ class ModelState:
         for chunk, chunk_sd in zip(self.chunks, sd):
             chunk.load_state_dict(chunk_sd, strict=True)
 
+    def _keys(self) -> list[str]:
+        return ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
+
+    def sharded_state_dict(self) -> dict:
+        """torch_dist: ``{"model": gpt.sharded_state_dict()}`` (``model0``, ``model1``, ... per
+        virtual stage) of the GPTModel inside each DDP wrapper (megatron-LM's keys, e.g.
+        ``decoder.layers.0.mlp.linear_fc1.weight``): ShardedTensors in global (TP/PP-independent)
+        coordinates."""
+        return {key: chunk.module.sharded_state_dict() for key, chunk in zip(self._keys(), self.chunks)}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        for key, chunk in zip(self._keys(), self.chunks):
+            chunk.module.load_state_dict(loaded[key], strict=True)
+
 
 class OptimizerState:
     """Per-rank optimizer state: for the distributed optimizer, this rank's shard of the
@@ -46,12 +60,34 @@ class OptimizerState:
             out.append({"optimizer": opt.state_dict(), "params": params})
         return out
 
+    def sharded_state_dict(self, model_sd: dict, is_loading: bool) -> dict:
+        """torch_dist: per sub-optimizer, the distributed optimizer's state in model space
+        (see :mod:`loco_megatron.checkpoint.dist_optimizer`), or megatron's own sharded
+        state for the non-distributed optimizers."""
+        from loco_megatron.checkpoint import dist_optimizer
+
+        out = {}
+        for i, opt in enumerate(sub_optimizers(self.optimizer)):
+            if hasattr(opt, "get_parameter_state_dp_zero"):
+                out[i] = dist_optimizer.sharded_state_dict(opt, model_sd, is_loading)
+            else:
+                out[i] = opt.sharded_state_dict(model_sd, is_loading)
+        return out
+
     @torch.no_grad()  # megatron copies into views of leaf params
-    def load_state_dict(self, sd: list) -> None:
-        for opt, opt_sd in zip(sub_optimizers(self.optimizer), sd):
-            opt.load_state_dict(opt_sd["optimizer"])
-            if opt_sd["params"] is not None:
-                opt.load_parameter_state_from_dp_reshardable(opt_sd["params"])
+    def load_state_dict(self, sd) -> None:
+        """``sd``: this class's per-rank list (torch format), or the loaded sharded state (torch_dist)."""
+        from loco_megatron.checkpoint import dist_optimizer
+
+        for i, opt in enumerate(sub_optimizers(self.optimizer)):
+            if isinstance(sd, list):
+                opt.load_state_dict(sd[i]["optimizer"])
+                if sd[i]["params"] is not None:
+                    opt.load_parameter_state_from_dp_reshardable(sd[i]["params"])
+            elif hasattr(opt, "get_parameter_state_dp_zero"):
+                dist_optimizer.load_state_dict(opt, sd[i])
+            else:
+                opt.load_state_dict(sd[i])
             # megatron-core 0.16's DistributedOptimizer.load_state_dict gives every param
             # the *same* 'step' tensor; torch's foreach Adam then increments it once per
             # param per step, corrupting bias correction after a resume. Un-alias it.

@@ -157,7 +157,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                   **({"vpp": vpp} if vpp > 1 else {}),
                   "model": [config.model.num_layers, config.model.hidden_size, vocab,
                             config.model.num_experts]}
-    ckpt = Checkpointer(config.checkpoint.save, config.checkpoint.load, layout.rank, layout_key, device)
+    cc = config.checkpoint
+    ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
+                        dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
     resume = ckpt.find_resume_dir()  # a layout mismatch is refused here, before the model is built
     chunks = build_model(config, vocab, device)
     optimizer = build_optimizer(config, chunks)
@@ -223,9 +225,12 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                                     or state.iteration == t.train_iters):
                 last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
             guard.update(state.iteration, result.skipped)  # RunAborted: leave before saving
+            ckpt.poll()  # commits a finished background write (--async-save)
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
                 _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
+            for timing in ckpt.take_timings():
+                logger.log(state.iteration, timing)
             reason = stop.agreed(device)
             if reason:
                 if layout.is_logging_rank:
@@ -235,11 +240,18 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
             _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
+        ckpt.wait()  # the last (or stop-requested) save is committed before exit
+        for timing in ckpt.take_timings():
+            logger.log(state.iteration, timing)
     finally:
         stop.restore()
         profiler.close()
         logger.close()
     return last
+
+
+def _rank0_print(is_logging_rank: bool) -> Callable[[str], None]:
+    return (lambda line: print(line, flush=True)) if is_logging_rank else (lambda line: None)
 
 
 def _loco_memory_line(mem: dict) -> str:

@@ -1,105 +1,59 @@
-"""Per-rank checkpoints with atomic commit and bit-exact resume.
+"""``Checkpointer``: where a run resumes from, the save-target checks, and saving/loading
+in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
 
-Layout::
+``--ckpt-format torch`` layout (fast, resumes only with the same layout)::
 
     SAVE/iter_0000100/rank_00000.pt ...   one file per rank (its TP/PP/DP shard)
+    SAVE/iter_0000100/rank_00000.json     SHA-256 of the .pt, the iteration, the layout
     SAVE/latest_checkpointed_iteration.txt
 
-Each rank writes into ``iter_N.tmp/`` its ``rank_R.pt`` and a ``rank_R.json`` (SHA-256 of
-the ``.pt``, the iteration, the layout); once every rank succeeded (one all-reduce) rank
-0 renames the folder to ``iter_N`` and only then rewrites the ``latest`` file
-(write-to-temp + rename). A crash at any point leaves the previous checkpoint as the
-one ``--load`` picks; a failed write (disk full, read-only mount) removes ``iter_N.tmp``
-and ends the run with one line. At load the checksum is verified before unpickling.
+``--ckpt-format torch_dist`` (the default; reshardable): see
+:mod:`loco_megatron.checkpoint.torch_dist`. ``--load`` reads either format, whichever the
+folder holds. A failed write (disk full, read-only mount) removes ``iter_N.tmp`` and ends
+the run with one line.
 
-What a rank saves: every object registered in ``stateful`` (anything with
+What is saved: every object registered in ``stateful`` (anything with
 ``state_dict``/``load_state_dict``: model chunks, optimizer, LR scheduler, the data
-iterator, the trainer counters, LoCo's error buffers — the extension point), plus
-the RNG states and the parallel layout it was written with.
+iterator, the trainer counters, LoCo's error buffers - the extension point), plus the RNG
+states and the parallel layout it was written with.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
-import re
-import random
 import shutil
+import time
 import zipfile
-from typing import Optional
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from loco_megatron.checkpoint import torch_dist
+from loco_megatron.checkpoint.async_save import AsyncWriter
+from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, iter_dir,
+                                           sha256, write_sidecar)
+from loco_megatron.checkpoint.rng import rng_state, set_rng_state
+from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
 from loco_megatron.config import ConfigError
-
-LATEST = "latest_checkpointed_iteration.txt"
-_COMMITTED = re.compile(r"iter_(\d{7})")
-OPTIONAL_STATES = ("health",)
-"""States absent from checkpoints written before they existed; those load without them."""
-
-
-def _iter_dir(root: pathlib.Path, iteration: int) -> pathlib.Path:
-    return root / f"iter_{iteration:07d}"
-
-
-def rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def committed_checkpoints(root: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
-    """(iteration, folder) of every committed ``iter_N`` in ``root`` (not ``.tmp``/``.old``), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _COMMITTED.fullmatch(p.name))]
-    return sorted(found)
-
-
-def _sha256(path: pathlib.Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _cause(e: BaseException, where: pathlib.Path) -> str:
-    """A short reason for a failed write. torch.save reports a full disk as a bare
-    RuntimeError ('basic_ios::clear: iostream error'), so look at the free space too."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror.lower()
-    try:
-        if shutil.disk_usage(where).free < 1 << 20:
-            return "no space left on device"
-    except OSError:
-        pass
-    return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
 
 
 class Checkpointer:
     def __init__(self, save: Optional[str], load: Optional[str], rank: int, layout_key: dict,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, ckpt_format: str = "torch", async_save: bool = False,
+                 run_config: Optional[dict] = None, log: Callable[[str], None] = print):
         self.save_root = pathlib.Path(save) if save else None
         self.load_root = pathlib.Path(load) if load else None
         self.rank, self.layout_key = rank, layout_key
         self.device = device or torch.device("cpu")  # where the agreement flags live (CUDA for NCCL)
+        self.ckpt_format, self.run_config = ckpt_format, run_config
+        self.log = log
+        """Prints one line (rank 0 only in training)."""
+        self.writer = AsyncWriter() if async_save else None
+        self.timings: list[dict] = []
+        """ckpt/ metrics of saves finished since the last ``take_timings()``."""
         self.start_note = ""
         """One line for the console: resuming (from where, and why that one) or starting fresh."""
 
@@ -120,7 +74,7 @@ class Checkpointer:
             text = latest.read_text().strip()
             if not text.isdigit():
                 raise ConfigError(f"--load: {latest} does not hold an iteration number")
-            path = _iter_dir(self.load_root, int(text))
+            path = iter_dir(self.load_root, int(text))
             if not path.is_dir():
                 raise ConfigError(f"--load: {latest} names iteration {int(text)} but {path} does not exist")
             self.start_note = f"resuming from {path} ({LATEST})"
@@ -132,6 +86,13 @@ class Checkpointer:
             path = found[-1][1]
             self.start_note = (f"resuming from {path}: {self.load_root} has no {LATEST}, "
                                f"so the newest complete checkpoint is used")
+        if torch_dist.is_torch_dist(path):
+            if self.layout_key:  # a different model shape cannot load; another layout can
+                saved = torch_dist.saved_common(path).get("layout", {})
+                if saved.get("model") != self.layout_key.get("model"):
+                    raise ConfigError(f"--load: {path} holds a model of another shape (saved [layers, hidden, "
+                                      f"vocab, experts] {saved.get('model')}, this run {self.layout_key.get('model')})")
+            return path
         file = path / f"rank_{self.rank:05d}.pt"
         if not file.is_file():
             raise ConfigError(f"--load: {path} has no file for rank {self.rank}")
@@ -142,7 +103,7 @@ class Checkpointer:
 
     @staticmethod
     def iteration_of(path: Optional[pathlib.Path]) -> int:
-        return int(_COMMITTED.fullmatch(path.name).group(1)) if path is not None else 0
+        return int(COMMITTED.fullmatch(path.name).group(1)) if path is not None else 0
 
     def _check_sidecar_layout(self, path: pathlib.Path) -> None:
         """Refuse a layout mismatch from the small ``rank_R.json`` (before the model is built)."""
@@ -171,7 +132,7 @@ class Checkpointer:
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
-            raise ConfigError(f"--save: cannot write to {self.save_root} ({_cause(e, self.save_root)})") from None
+            raise ConfigError(f"--save: cannot write to {self.save_root} ({cause(e, self.save_root)})") from None
         if resume is not None and resume.parent.resolve() == self.save_root.resolve():
             # Same run resuming (--load = --save): a newer folder can only be one committed
             # just before a crash cut the `latest` update; the resume re-creates it bit-exactly.
@@ -192,8 +153,13 @@ class Checkpointer:
         return flag.item() == 0.0
 
     def save(self, iteration: int, stateful: dict) -> pathlib.Path:
+        """Collective. Write ``stateful`` at ``iteration`` and commit it. With --async-save
+        this returns once the state is handed to the background writer (after waiting for
+        the previous save); the commit happens in ``poll``/``wait``."""
         assert self.save_root is not None
-        final = _iter_dir(self.save_root, iteration)
+        t0 = time.perf_counter()
+        self.wait()  # a second save waits for the first (one write in flight)
+        final = iter_dir(self.save_root, iteration)
         tmp = final.with_name(final.name + ".tmp")
         error = ""
         if self.rank == 0:
@@ -201,31 +167,74 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             except OSError as e:
-                error = f"cannot create {tmp} ({_cause(e, self.save_root)})"
-        if self._all_ok(not error):
-            payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
-                       **{name: obj.state_dict() for name, obj in stateful.items()}}
-            part = tmp / f"rank_{self.rank:05d}.pt.part"
+                error = f"cannot create {tmp} ({cause(e, self.save_root)})"
+        if not self._all_ok(not error):
+            self._abandon(tmp, error)
+        if self.ckpt_format == "torch":
+            error = self._write_rank_file(tmp, iteration, stateful)
+            self._finish(tmp, final, iteration, t0, error)
+            return final
+        sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
+                                   is_loading=False, per_rank=True)
+        try:
+            request = torch_dist.save(tmp, sd, async_save=self.writer is not None)
+        except Exception as e:  # noqa: BLE001 - DCP wraps OSErrors of any rank in its own exception
+            request, error = None, f"writing {tmp} failed ({cause(e, tmp)})"
+        if request is None:
+            self._finish(tmp, final, iteration, t0, error, lambda: torch_dist.written_by(tmp, self.rank))
+        else:
+            request.add_finalize_fn(lambda: self._finish(tmp, final, iteration, t0, "",
+                                                         lambda: torch_dist.written_by(tmp, self.rank)))
+            self.writer.schedule(request)
+            self.timings.append({"ckpt/blocking_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
+        return final
+
+    def _write_rank_file(self, tmp: pathlib.Path, iteration: int, stateful: dict) -> str:
+        """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum)."""
+        payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
+                   **{name: obj.state_dict() for name, obj in stateful.items()}}
+        part = tmp / f"rank_{self.rank:05d}.pt.part"
+        try:
+            torch.save(payload, part)
+            meta = {"iteration": iteration, "sha256": sha256(part), "layout": self.layout_key}
+            (tmp / f"rank_{self.rank:05d}.json").write_text(json.dumps(meta))
+            os.replace(part, tmp / f"rank_{self.rank:05d}.pt")
+        except (OSError, RuntimeError) as e:
+            return f"writing {part} failed ({cause(e, tmp)})"
+        return ""
+
+    def _finish(self, tmp: pathlib.Path, final: pathlib.Path, iteration: int, t0: float, error: str,
+                written: Optional[Callable[[], list]] = None) -> None:
+        """Collective, after this rank's write: checksums, agreement, commit by rank 0."""
+        if written is not None and not error:
             try:
-                torch.save(payload, part)
-                meta = {"iteration": iteration, "sha256": _sha256(part), "layout": self.layout_key}
-                (tmp / f"rank_{self.rank:05d}.json").write_text(json.dumps(meta))
-                os.replace(part, tmp / f"rank_{self.rank:05d}.pt")
-            except (OSError, RuntimeError) as e:
-                error = f"writing {part} failed ({_cause(e, tmp)})"
-        if not self._all_ok(not error):  # every rank's file is complete before the commit
+                write_sidecar(tmp, self.rank, written())
+            except OSError as e:
+                error = f"writing checksums into {tmp} failed ({cause(e, tmp)})"
+        if not self._all_ok(not error):  # every rank's files are complete before the commit
             self._abandon(tmp, error)
         if self.rank == 0:
-            old = final.with_name(final.name + ".old")
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            latest_tmp = self.save_root / (LATEST + ".tmp")
-            latest_tmp.write_text(f"{iteration}\n")
-            os.replace(latest_tmp, self.save_root / LATEST)
-            shutil.rmtree(old, ignore_errors=True)
+            commit(tmp, final, iteration)
         dist.barrier()
-        return final
+        write_s = time.perf_counter() - t0
+        if self.writer is None:
+            self.timings.append({"ckpt/blocking_s": write_s, "ckpt/write_s": write_s, "ckpt/iteration": iteration})
+        else:
+            self.timings.append({"ckpt/write_s": write_s, "ckpt/iteration": iteration})
+
+    def poll(self) -> None:
+        """Collective: commit a background write that every rank finished (no wait)."""
+        if self.writer is not None:
+            self.writer.poll()
+
+    def wait(self) -> None:
+        """Collective: wait for a background write and commit it (before a next save / exit)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def take_timings(self) -> list[dict]:
+        out, self.timings = self.timings, []
+        return out
 
     def _abandon(self, tmp: pathlib.Path, error: str) -> None:
         """Collective failure path: the same one line on every rank, no partial folder."""
@@ -241,13 +250,15 @@ class Checkpointer:
 
     # -- load ---------------------------------------------------------------------------
     def load(self, path: pathlib.Path, stateful: dict) -> int:
-        """Verify the checksum, restore every registered object and the RNG; returns the
+        """Verify the checksums, restore every registered object and the RNG; returns the
         saved iteration."""
+        if torch_dist.is_torch_dist(path):
+            return torch_dist.load(path, stateful, self.layout_key, self.log)
         file = path / f"rank_{self.rank:05d}.pt"
         meta = path / f"rank_{self.rank:05d}.json"
         if meta.is_file():  # checkpoints written before checksums have none to verify
             want = json.loads(meta.read_text()).get("sha256")
-            if want and _sha256(file) != want:
+            if want and sha256(file) != want:
                 raise ConfigError(f"--load: {file} does not match its checksum in {meta.name} (corrupt file)")
         try:
             payload = torch.load(file, map_location="cpu", weights_only=False)

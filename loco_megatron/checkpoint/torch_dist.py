@@ -1,0 +1,172 @@
+"""The ``torch_dist`` format: megatron-core ``dist_checkpointing`` (torch.distributed.checkpoint).
+
+CONTRACT (relied on by the Hugging Face export; keep it exact): ``SAVE/iter_N/`` is a folder
+loadable by ``megatron.core.dist_checkpointing.load``. Its state dict has
+
+- ``"model"``: ``model_chunks[0].module.sharded_state_dict()`` (the GPTModel inside the DDP
+  wrapper, so keys read ``decoder.layers.0.mlp.linear_fc1.weight``, no ``module.`` prefix)
+  for one chunk; with virtual pipeline stages ``"model0"``, ``"model1"``, ... (one per
+  chunk, megatron-LM's keys);
+- ``"config"`` (common, non-sharded, written by rank 0): the run's Config as plain
+  JSON-able python types (``dataclasses.asdict(config)``), readable with
+  ``dist_checkpointing.load_common_state_dict(path)["config"]``.
+
+Besides: ``"optimizer"`` (the distributed optimizer's fp32 main params and Adam moments
+as ShardedTensors of each model parameter's shape, see
+:mod:`loco_megatron.checkpoint.dist_optimizer`: they reshard across DP, TP, PP and EP), and as common state the LR scheduler, the data
+position (a global consumed-samples count), the trainer counters, ``"layout"`` (the
+parallel layout and model shape) and ``"iteration"``. State whose shape depends on the
+layout (RNG, LoCo's error buffers, the --param-gather-bits shards) is one ShardedObject
+per rank under a key naming the layout (``loco.world2_tp1_pp1_ep1/shard_R_W``); at load
+it is only asked for when the layout is the same, else the run says so in one line and
+starts it fresh.
+
+Integrity: every writing rank records the SHA-256 of the files it wrote in
+``sha256.rank_R.json``; at load the ranks share the checking and agree before any state
+is read.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.checkpoint import files
+from loco_megatron.checkpoint.rng import rng_state, set_rng_state
+from loco_megatron.config import ConfigError
+
+PER_RANK = ("loco", "param_gather")
+"""Registered states whose content depends on the parallel layout (one object per rank)."""
+OPTIONAL_STATES = ("health",)
+"""States absent from checkpoints written before they existed; those load without them."""
+
+
+def is_torch_dist(path: pathlib.Path) -> bool:
+    return (path / "metadata.json").is_file()
+
+
+def layout_tag(layout_key: dict) -> str:
+    """The parallel layout (model shape left out) as a key fragment, e.g. ``world2_tp1_pp1_ep1``."""
+    return "_".join(f"{k}{v}" for k, v in layout_key.items() if k != "model").replace("world_size", "world")
+
+
+def saved_common(path: pathlib.Path) -> dict:
+    """The common (rank 0) state of a torch_dist checkpoint; ConfigError if unreadable."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+        raise ConfigError(f"--load: {path / 'common.pt'} is not a readable checkpoint "
+                          f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+
+
+def _per_rank(key: str, data, rank: int, world: int):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(key, data, (world,), (rank,), replica_id=0)
+
+
+def state_dict(stateful: dict, layout_key: dict, run_config: Optional[dict], iteration: int,
+               is_loading: bool, per_rank: bool) -> dict:
+    """The sharded state dict to save, or to load into (``is_loading``); ``per_rank``:
+    include the layout-keyed per-rank objects (RNG, LoCo)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tag = layout_tag(layout_key)
+    model_sd = stateful["model"].sharded_state_dict()
+    sd = {**model_sd, "layout": layout_key, "iteration": iteration, "config": run_config or {}}
+    for name, obj in stateful.items():
+        if name == "model":
+            continue
+        if hasattr(obj, "sharded_state_dict"):
+            sd[name] = obj.sharded_state_dict(model_sd, is_loading)
+        elif name in PER_RANK:
+            if per_rank:
+                sd[name] = _per_rank(f"{name}.{tag}", obj.state_dict(), rank, world)
+        else:
+            sd[name] = obj.state_dict()  # common: the same on every rank (counters, schedule, data)
+    if per_rank:
+        sd["rng"] = _per_rank(f"rng.{tag}", rng_state(), rank, world)
+    return sd
+
+
+def save(folder: pathlib.Path, sd: dict, async_save: bool):
+    """Write ``sd`` into ``folder``; with ``async_save`` returns megatron's AsyncRequest
+    (the write runs once scheduled; its finalize functions complete the metadata)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.save(sd, str(folder), async_sharded_save=async_save,
+                                   preprocess_common_before_consistancy_check=_without_clock)
+
+
+def _without_clock(common: dict) -> dict:
+    """The common-state consistency check minus the one per-rank clock (rank 0's is saved)."""
+    trainer = {k: v for k, v in common.get("trainer", {}).items() if k != "train_time_s"}
+    return {**common, "trainer": trainer}
+
+
+def written_by(folder: pathlib.Path, rank: int) -> list[str]:
+    """The files of ``folder`` this rank wrote (rank 0 also writes the metadata and common state)."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")]
+    if rank == 0:
+        names += [n for n in (".metadata", "common.pt", "metadata.json") if (folder / n).is_file()]
+    return names
+
+
+def verify(folder: pathlib.Path, rank: int, world: int) -> None:
+    """Collective: ranks split the recorded checksums, then all raise the first mismatch."""
+    entries = files.sidecar_entries(folder)
+    error = ""
+    if not entries:
+        error = f"--load: {folder} has no sha256.rank_*.json (an incomplete copy?)"
+    for i, (name, want) in enumerate(entries):
+        if i % world == rank and not error:
+            path = folder / name
+            if not path.is_file():
+                error = f"--load: {path} is missing (listed in the checkpoint's checksums)"
+            elif files.sha256(path) != want:
+                error = f"--load: {path} does not match its recorded SHA-256 (corrupt file)"
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ConfigError(first)
+
+
+def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[str], None]) -> int:
+    """Restore ``stateful`` from ``folder`` under the current layout; returns the iteration.
+
+    The model shape was checked before the model was built; here the parallel layout
+    decides whether the per-rank objects (RNG, LoCo, --param-gather-bits state) are read.
+    """
+    from megatron.core import dist_checkpointing
+
+    verify(folder, dist.get_rank(), dist.get_world_size())
+    common = saved_common(folder)
+    saved_layout = common.get("layout", {})
+    same = layout_tag(saved_layout) == layout_tag(layout_key)
+    request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same)
+    try:
+        loaded = dist_checkpointing.load(request, str(folder))
+    except Exception as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
+        raise ConfigError(f"--load: {folder} could not be loaded "
+                          f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
+    stateful["model"].load_sharded_state_dict(loaded)
+    for name, obj in stateful.items():
+        if name == "model" or (name in PER_RANK and not same):
+            continue
+        if name not in loaded:
+            if name in OPTIONAL_STATES:
+                continue
+            raise ConfigError(f"--load: {folder} has no '{name}' state")
+        obj.load_state_dict(loaded[name])
+    if same:
+        set_rng_state(loaded["rng"])
+    else:
+        log(f"checkpoint: saved with layout {layout_tag(saved_layout)}, resuming with {layout_tag(layout_key)}: "
+            f"model, optimizer, schedule and data position resharded; RNG re-seeded and LoCo error "
+            f"buffers (and --param-gather-bits state) start at zero")
+    return int(common["iteration"])

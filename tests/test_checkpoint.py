@@ -1,0 +1,152 @@
+"""torch_dist checkpoints: resharding across layouts, data position, LoCo state, async save,
+crash before commit, corrupt shards, model-shape mismatch."""
+
+import pathlib
+
+import pytest
+import torch
+
+from conftest import TINY, torchrun, train_losses
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("save_n,save_args,load_n,load_args", [
+    (2, [], 4, []),
+    (4, ["--tensor-model-parallel-size", "2"], 4, []),
+    (4, ["--pipeline-model-parallel-size", "2"], 4, []),
+    (2, MOE + ["--expert-model-parallel-size", "2"], 2, MOE),
+], ids=["dp2-to-dp4", "tp2xdp2-to-dp4", "pp2xdp2-to-dp4", "ep2-to-ep1"])
+def test_checkpoint_reshards_to_another_layout(save_n, save_args, load_n, load_args, cache_dir, tmp_path):
+    """Guards against checkpoints that only load under the layout they were written with
+    (model, distributed-optimizer moments, schedule or data position wrong after a change
+    of DP/TP/PP/EP), and against a silent reset of the per-rank state: the resumed run's
+    first losses equal the uninterrupted run's, training goes on falling, one line says
+    that RNG and LoCo state start fresh."""
+    args = TINY + ["--lr-decay-iters", "6", "--lr", "0.003"]
+    ck = tmp_path / "ck"
+    _, ref = torchrun(save_n, args + save_args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2"],
+                      cache_dir, tmp_path, name="ref")
+    (ck / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
+    proc, resumed = torchrun(load_n, args + load_args + ["--train-iters", "6", "--load", str(ck)], cache_dir,
+                             tmp_path, name="resumed")
+    a, b = train_losses(ref), train_losses(resumed)
+    assert sorted(b) == [3, 4, 5, 6]
+    assert b[3] == pytest.approx(a[3], rel=1e-5), (a, b)  # same weights, same global batch
+    assert b[4] == pytest.approx(a[4], rel=1e-4), (a, b)  # same Adam moments and LR
+    assert b[6] < a[1] - 0.05, (a, b)
+    assert proc.stdout.count("RNG re-seeded and LoCo error buffers") == 1, proc.stdout[-2000:]
+
+
+def test_data_position_is_global_across_dp_sizes():
+    """Guards against a data position that depends on the DP layout: after 2 steps under
+    DP2 the DP4 ranks together read exactly the next global batch (none repeated or skipped)."""
+    from loco_megatron.data.dataset import MicroBatchIterator
+
+    data = [{"tokens": torch.tensor([i])} for i in range(64)]
+    first = [MicroBatchIterator(data, 8, 2, r, 2) for r in range(2)]
+    seen = [int(t) for _ in range(2) for it in first for mb in it.step() for t in mb["tokens"]]
+    state = first[0].state_dict()
+    assert state == first[1].state_dict()
+    second = [MicroBatchIterator(data, 8, 1, r, 4) for r in range(4)]
+    for it in second:
+        it.load_state_dict(state)
+    nxt = [int(t) for it in second for mb in it.step() for t in mb["tokens"]]
+    assert sorted(seen) == list(range(16)) and sorted(nxt) == list(range(16, 24))
+
+
+def test_same_layout_resume_with_loco_and_async_save_is_bit_exact(cache_dir, tmp_path):
+    """Guards against LoCo's error buffers (or any state) missing from torch_dist
+    checkpoints, an --async-save that blocks the training loop until the write is done, and
+    a final async save not waited for before exit: losses bit-exact after resume; the
+    write of the checkpoint of step 2 is reported complete only after step 3 finished."""
+    args = TINY + ["--train-iters", "6", "--lr-decay-iters", "6", "--loco-bits", "4", "--loco-reset-interval", "3"]
+    _, full = torchrun(2, args, cache_dir, tmp_path, name="full")
+    ck = tmp_path / "ck"
+    _, first = torchrun(2, args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2",
+                                   "--async-save"], cache_dir, tmp_path, name="first")
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"  # final save waited for
+    proc, resumed = torchrun(2, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
+    assert "RNG re-seeded" not in proc.stdout
+    a, b = train_losses(full), train_losses(resumed)
+    assert sorted(b) == [5, 6] and all(a[it] == b[it] for it in b), (a, b)
+    order = [(m["iteration"], "write" if "ckpt/write_s" in m else "step")
+             for m in first if "ckpt/write_s" in m and m["ckpt/iteration"] == 2 or "train/lm_loss" in m]
+    assert order.index((3, "step")) < [kind for _, kind in order].index("write"), order
+    blocked = [m for m in first if "ckpt/blocking_s" in m]
+    assert [m["ckpt/iteration"] for m in blocked] == [2, 4]
+
+
+class _Weights:
+    """A stand-in model: one sharded tensor (the checkpoint plumbing does not care)."""
+
+    def __init__(self, value: float):
+        self.w = torch.full((4, 3), value)
+
+    def sharded_state_dict(self) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        return {"model": {"w": ShardedTensor.from_rank_offsets("w", self.w, replica_id=0)}}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.w.copy_(loaded["model"]["w"])
+
+
+def test_async_crash_before_commit_corrupt_shard_and_other_model(tmp_path, monkeypatch):
+    """Guards against a crash between an async write and its commit leaving no loadable
+    checkpoint (or a half-written one picked by --load), a corrupt torch_dist shard
+    loading silently or as a traceback, a checkpoint of another model shape loading,
+    and against breaking the export contract ("model" and common "config" keys)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from loco_megatron.checkpoint import Checkpointer, checkpointer
+    from loco_megatron.config import ConfigError
+    from loco_megatron.platform import detect_platform, platform_context
+
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": [2, 64, 4096, None]}
+    root = tmp_path / "ck"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with platform_context(detect_platform(0)):
+            ck = Checkpointer(str(root), None, 0, layout, ckpt_format="torch_dist", async_save=True,
+                              run_config={"model": {"num_layers": 2}})
+            ck.save(1, {"model": _Weights(1.0)})
+            assert not (root / "iter_0000001").exists()  # handed over, not waited for
+            ck.wait()
+            assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+            assert [sorted(t) for t in ck.take_timings()] == [["ckpt/blocking_s", "ckpt/iteration"],
+                                                              ["ckpt/iteration", "ckpt/write_s"]]
+
+            def crash(*_):
+                raise RuntimeError("killed between write and commit")
+
+            monkeypatch.setattr(checkpointer, "commit", crash)
+            ck.save(2, {"model": _Weights(2.0)})
+            with pytest.raises(RuntimeError, match="killed"):
+                ck.wait()
+            monkeypatch.undo()
+            assert (root / "iter_0000002.tmp").is_dir()
+
+            loader = Checkpointer(None, str(root), 0, layout, ckpt_format="torch_dist", log=lambda _: None)
+            path = loader.find_resume_dir()
+            assert path == root / "iter_0000001"
+            weights = _Weights(0.0)
+            assert loader.load(path, {"model": weights}) == 1 and torch.all(weights.w == 1.0)
+            assert dist_checkpointing.load_common_state_dict(str(path))["config"] == {"model": {"num_layers": 2}}
+
+            other = Checkpointer(None, str(root), 0, {**layout, "model": [4, 64, 4096, None]})
+            with pytest.raises(ConfigError, match="another shape") as e:
+                other.find_resume_dir()
+            assert "\n" not in str(e.value)
+
+            shard = sorted(path.glob("__0_*.distcp"))[0]
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            shard.write_bytes(bytes(data))
+            with pytest.raises(ConfigError) as e:
+                loader.load(path, {"model": _Weights(0.0)})
+            msg = str(e.value)
+            assert "\n" not in msg and str(shard) in msg and "corrupt" in msg
+    finally:
+        dist.destroy_process_group()
