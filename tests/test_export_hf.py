@@ -1,9 +1,11 @@
 """tools/export_hf.py: torch_dist checkpoints of parallel layouts -> transformers folders that
 compute the framework's logits, with a tokenizer that encodes like the run's sentencepiece model.
 
-Checkpoints come from tests/export_fixture.py (a torchrun script that saves by the
-checkpoint contract: dist_checkpointing of {"model": chunk 0's sharded state dict,
-"config": asdict(config)}) and hold that layout's own forward logits for fixed ids.
+The dense checkpoint is written by pretrain_gpt.py --save (PP 2); the MoE one by
+tests/export_fixture.py (EP 2, a torchrun script saving by the same checkpoint contract:
+dist_checkpointing of {"model": chunk 0's sharded state dict, "config": asdict(config)}
+plus the saver's checksums). The fixture also computes the framework's own logits for
+fixed ids, in the saving layout (MoE) or in another one (TP 2, for the PP 2 checkpoint).
 """
 
 import pathlib
@@ -65,20 +67,40 @@ def _assert_logits_match(folder: pathlib.Path, reference: pathlib.Path, architec
 
 @pytest.fixture(scope="module")
 def dense(work) -> pathlib.Path:
-    """TP 2, GQA (4 heads, 2 query groups), untied embeddings; exported to work/dense_hf."""
-    ckpt = _checkpoint(work, "dense", ["--tensor-model-parallel-size", "2", "--num-query-groups", "2"])
-    proc = _export(work, ckpt / "ckpt", work / "dense_hf")
+    """pretrain_gpt.py --save at PP 2 (GQA: 4 heads, 2 query groups; untied embeddings; 2 steps
+    at lr 0.05, so norms are no longer all ones), the framework's logits of the saved weights
+    computed at TP 2 (tests/export_fixture.py --load), exported from the SAVE root."""
+    import json
+
+    from loco_megatron.data.corpus import stdlib_documents
+
+    docs = work / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": d}) for d in stdlib_documents()[:40]))
+    proc = _run([sys.executable, "tools/preprocess_data.py", "--input", str(docs), "--tokenizer-model",
+                 str(work / "tok.model"), "--output-prefix", str(work / "ds")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("exported ") and "saved as TP 2 x PP 1 x EP 1" in proc.stdout
-    return ckpt
+    gqa = ["--num-query-groups", "2"]
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "pretrain_gpt.py",
+                 *SHAPE, *gqa, "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--lr", "0.05",
+                 "--lr-warmup-iters", "0", "--eval-interval", "0", "--data-path", str(work / "ds"),
+                 "--tokenizer-model", str(work / "tok.model"), "--save", str(work / "dense" / "ckpt")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _checkpoint(work, "dense", [*gqa, "--tensor-model-parallel-size", "2",
+                                "--load", str(work / "dense" / "ckpt" / "iter_0000002")])
+    proc = _export(work, work / "dense" / "ckpt", work / "dense_hf", tokenizer=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("exported ") and "saved as TP 1 x PP 2 x EP 1" in proc.stdout
+    return work / "dense"
 
 
-def test_dense_tp2_checkpoint_exports_to_llama_with_the_same_logits(work, dense):
+def test_trainer_pp2_checkpoint_exports_to_llama_with_the_tp2_logits(work, dense):
     """Guards against a wrong split of megatron's fused per-query-group linear_qkv into q/k/v
     (GQA heads paired with the wrong k/v), gate/up swapped in SwiGLU's fc1, norms mapped to
-    the wrong layer or slot (the fixture randomises them), TP slices of a TP 2 checkpoint not
-    reassembled, vocabulary padding left in the embedding, or a config.json (RoPE theta,
-    eps, head counts) that computes something else."""
+    the wrong layer or slot, the stages of a PP 2 checkpoint written by the trainer not
+    reassembled (or a layer numbering that differs from the TP 2 model computing the
+    reference), vocabulary padding left in the embedding, the run's tokenizer (named in the
+    saved config) not found without --tokenizer-model, or a config.json (RoPE theta, eps,
+    head counts) that computes something else."""
     import json
 
     hf = json.loads((work / "dense_hf" / "config.json").read_text())
@@ -112,13 +134,11 @@ def test_moe_ep2_checkpoint_exports_to_mixtral_with_the_same_logits(work):
     """Guards against experts of an EP 2 checkpoint not reassembled or renumbered, the router
     mapped to the wrong tensor, a routing normalisation that differs from megatron's
     (top-k of the logits then softmax over those k = Mixtral's softmax, top-k, renormalise),
-    gate/up of each expert swapped, tied embeddings exported as an output layer, and the
-    run's own tokenizer (named in the saved config) not found without --tokenizer-model."""
+    gate/up of each expert swapped, and tied embeddings exported as an output layer."""
     ckpt = _checkpoint(work, "moe", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
                                      "--expert-model-parallel-size", "2",
                                      "--no-untie-embeddings-and-output-weights"])
-    # An iter_N folder, not the root; the tokenizer is the one the run's config names.
-    proc = _export(work, ckpt / "ckpt" / "iter_0000001", work / "moe_hf", tokenizer=False)
+    proc = _export(work, ckpt / "ckpt" / "iter_0000001", work / "moe_hf")  # an iter_N folder, not the root
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved as TP 1 x PP 1 x EP 2" in proc.stdout
     _assert_logits_match(work / "moe_hf", ckpt / "reference.pt", "MixtralForCausalLM")
@@ -136,10 +156,15 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     """Guards against tracebacks or partial folders for: an option LLaMA cannot express
     (learned absolute positions would export silently wrong), a missing --load, a
     half-written checkpoint (no metadata), the per-rank torch format (cannot be resharded),
-    a truncated shard, the wrong tokenizer, and an existing --out (overwritten)."""
+    a shard with a flipped byte (would export wrong weights), the wrong tokenizer, and an
+    existing --out (overwritten)."""
+    import json
+
     from megatron.core import dist_checkpointing
 
-    ckpt = dense / "ckpt" / "iter_0000001"
+    from loco_megatron.checkpoint import files
+
+    ckpt = dense / "ckpt" / "iter_0000002"
     out = tmp_path / "hf"
 
     learned = tmp_path / "learned"
@@ -147,6 +172,8 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     common = dist_checkpointing.load_common_state_dict(str(learned))
     common["config"]["model"]["position_embedding_type"] = "learned_absolute"
     torch.save(common, learned / "common.pt")
+    sidecar = learned / files.SIDECAR.format(rank=0)  # a consistent checkpoint of another model
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "common.pt": files.sha256(learned / "common.pt")}))
     _assert_one_line_error(_export(work, learned, out), "--position-embedding-type learned_absolute")
 
     _assert_one_line_error(_export(work, tmp_path / "nowhere", out), "--load", "does not exist")
@@ -162,11 +189,13 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     (per_rank.parent / "latest_checkpointed_iteration.txt").write_text("3")
     _assert_one_line_error(_export(work, per_rank.parent, out), "--ckpt-format torch_dist")
 
-    truncated = tmp_path / "truncated"
-    shutil.copytree(ckpt, truncated)
-    shard = next(truncated.glob("__1_*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    _assert_one_line_error(_export(work, truncated, out), str(truncated), "truncated")
+    flipped = tmp_path / "flipped"
+    shutil.copytree(ckpt, flipped)
+    shard = next(flipped.glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # still unpickles: only the saver's checksums catch it
+    shard.write_bytes(bytes(data))
+    _assert_one_line_error(_export(work, flipped, out), str(shard), "SHA-256")
 
     from loco_megatron.data.corpus import stdlib_documents
     from loco_megatron.data.tokenizer import train_sentencepiece

@@ -18,9 +18,10 @@ import tempfile
 
 import torch
 
+from loco_megatron.checkpoint import files
 from loco_megatron.config import Config, ConfigError
 
-LATEST = "latest_checkpointed_iteration.txt"
+LATEST = files.LATEST
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -38,7 +39,7 @@ def resolve_iteration_dir(load: str) -> pathlib.Path:
         text = latest.read_text().strip()
         if not text.isdigit():
             raise ConfigError(f"--load: {latest} does not hold an iteration number ({text[:40]!r})")
-        path = root / f"iter_{int(text):07d}"
+        path = files.iter_dir(root, int(text))
         if not path.is_dir():
             raise ConfigError(f"--load: {latest} names iteration {int(text)}, but {path} does not exist")
     elif any(p.name.startswith("iter_") for p in root.iterdir()):
@@ -60,10 +61,6 @@ def verify_checksums(path: pathlib.Path) -> None:
     """Compare every file against the SHA-256 the saving ranks recorded (``sha256.rank_R.json``,
     written by the torch_dist saver of ``loco_megatron.checkpoint``): a corrupt shard that
     still unpickles would otherwise export wrong weights silently."""
-    try:
-        from loco_megatron.checkpoint import files
-    except ImportError:  # before the torch_dist saver (branch wt-ckpt) is merged: no sidecars
-        return
     entries = files.sidecar_entries(path)
     if not entries:
         raise ConfigError(f"--load: {path} has no sha256.rank_*.json (an incomplete copy?)")
