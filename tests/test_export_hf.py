@@ -112,7 +112,7 @@ def test_trainer_pp2_checkpoint_exports_to_llama_with_the_tp2_logits(work, dense
 def test_exported_tokenizer_encodes_like_sentencepiece(work, dense):
     """Guards against the exported tokenizer giving other ids than the sentencepiece model the
     run trained with: transformers' own LlamaTokenizer conversion merges whitespace runs
-    (indentation) differently for about a quarter of source-code chunks, treats a leading
+    (indentation) differently for about 29% of source-code chunks, treats a leading
     space differently, and reads '<s>' in text as the control token; also guards against
     a <s> prepended that training never saw, and a decode that does not give the text back."""
     import sentencepiece
