@@ -8,6 +8,7 @@ plus the saver's checksums). The fixture also computes the framework's own logit
 fixed ids, in the saving layout (MoE) or in another one (TP 2, for the PP 2 checkpoint).
 """
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
