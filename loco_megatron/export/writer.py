@@ -9,6 +9,8 @@ import pathlib
 import shutil
 import sys
 
+import torch
+
 from loco_megatron.config import ConfigError
 from loco_megatron.export.hf_config import check_exportable, hf_config
 from loco_megatron.export.reader import (embedding_rows, load_model_tensors, read_run_config,
@@ -78,8 +80,9 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     config = single_rank_config(saved)
     check_exportable(config, transformer_config(config))
     tensors = load_model_tensors(path, config, rows, ddp_prefix)
-    weights = to_hf(tensors, config, pieces)
     dtype = "bfloat16" if config.model.bf16 else "float32"
+    # --bf16 runs keep the torch norms' weights in fp32 next to bf16 linears: one dtype in the file.
+    weights = {k: v.to(getattr(torch, dtype)) for k, v in to_hf(tensors, config, pieces).items()}
     hf = hf_config(config, pieces, dtype)
 
     tmp = out_path.parent / f".{out_path.name}.tmp{os.getpid()}"
