@@ -125,7 +125,7 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
 
     Runs in this process: a one-rank gloo group and megatron's parallel state (torn down
     before returning), the model built by :func:`loco_megatron.model.build_model` with
-    ``rows`` vocabulary rows, and ``dist_checkpointing.load`` of its sharded state dict,
+    ``rows`` vocabulary rows (without DDP's gradient buffers), and ``dist_checkpointing.load`` of its sharded state dict,
     which reassembles every tensor from whatever layout saved it (TP slices, PP stages,
     EP experts, the gate/up interleave of SwiGLU under TP).
     """
@@ -143,8 +143,8 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
     with tempfile.TemporaryDirectory() as store, platform_context(platform):
         init_distributed(config, platform, 0, 1, init_method=f"file://{store}/rendezvous")
         try:
-            chunk = build_model(config, rows, platform.device)[0]
-            sharded = chunk.sharded_state_dict() if ddp_prefix else chunk.module.sharded_state_dict()
+            model = build_model(config, rows, platform.device, wrap=False)[0]
+            sharded = model.sharded_state_dict(prefix="module." if ddp_prefix else "")
             try:
                 loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
             except CheckpointException as e:
