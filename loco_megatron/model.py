@@ -108,9 +108,10 @@ def _seeded_layer_class(layer_cls, seed: int):
     return SeededLayer
 
 
-def build_model(config: Config, vocab_size: int, device: torch.device) -> list:
+def build_model(config: Config, vocab_size: int, device: torch.device, wrap: bool = True) -> list:
     """This rank's model chunks (one per virtual pipeline stage, else one), each a
-    GPTModel inside megatron-core's DDP wrapper, in schedule order."""
+    GPTModel inside megatron-core's DDP wrapper, in schedule order. ``wrap=False``: the bare
+    GPTModels, without DDP's gradient buffers (4 bytes per parameter; for reading weights)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -137,6 +138,9 @@ def build_model(config: Config, vocab_size: int, device: torch.device) -> list:
             position_embedding_type=m.position_embedding_type, vp_stage=vp_stage,
         )
         model.to(device)
+        if not wrap:
+            chunks.append(model)
+            continue
         # Every chunk keeps its own buckets (megatron-LM merges chunks > 0 into one bucket;
         # here each chunk's buckets overlap its backward and each gets LoCo compressors).
         chunks.append(DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model))

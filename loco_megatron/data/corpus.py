@@ -23,10 +23,14 @@ def stdlib_documents() -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.glob("*.py"))]
 
 
+def default_corpus_dir(cache_dir: str, vocab_size: int) -> pathlib.Path:
+    """Where the corpus for this Python version and vocabulary size lives (or will)."""
+    return pathlib.Path(cache_dir) / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-v{vocab_size}"
+
+
 def ensure_default_corpus(cache_dir: str, vocab_size: int) -> tuple[str, str]:
     """Build (or reuse) the corpus; returns ``(data_prefix, tokenizer_model)``."""
-    tag = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-v{vocab_size}"
-    out = pathlib.Path(cache_dir) / tag
+    out = default_corpus_dir(cache_dir, vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     prefix, model = str(out / "corpus_text_document"), str(out / "tokenizer.model")
     with open(out / ".lock", "w") as lock:

@@ -1,0 +1,97 @@
+"""Which run configs Hugging Face's LLaMA / Mixtral classes can express, and their config.json."""
+
+from __future__ import annotations
+
+from loco_megatron.config import Config, ConfigError
+
+ROPE_THETA = 10000.0
+"""megatron-core's GPTModel default ``rotary_base`` (loco-megatron does not change it)."""
+
+# TransformerConfig fields (megatron's names) that LlamaForCausalLM / MixtralForCausalLM
+# cannot express, with the value they must have. loco-megatron sets most of them
+# implicitly (e.g. add_bias_linear = not swiglu); checking the built TransformerConfig
+# catches an option added later that the flag checks below do not know about.
+_REQUIRED_TRANSFORMER = {
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "rotary_interleaved": False,
+    "gated_linear_unit": True,
+    "normalization": "RMSNorm",
+    "moe_router_pre_softmax": False,  # Mixtral: softmax over all experts, top-k, renormalise
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_layer_freq": 1,
+    "moe_router_num_groups": None,
+}
+
+
+def check_exportable(config: Config, tconf=None) -> None:
+    """Raise ConfigError naming the first option LLaMA/Mixtral cannot express.
+
+    ``tconf`` is the megatron TransformerConfig built from ``config`` (optional: the
+    flag checks need no megatron import).
+    """
+    m = config.model
+    if m.position_embedding_type != "rope":
+        _unsupported(f"--position-embedding-type {m.position_embedding_type}", "LLaMA/Mixtral use RoPE")
+    if m.normalization != "RMSNorm":
+        _unsupported(f"--normalization {m.normalization}", "LLaMA/Mixtral use RMSNorm")
+    if not m.swiglu:
+        _unsupported("--no-swiglu (GeLU MLP with biases)", "LLaMA/Mixtral use a bias-free SwiGLU MLP")
+    if tconf is None:
+        return
+    for name, want in _REQUIRED_TRANSFORMER.items():
+        if name.startswith("moe_") and tconf.num_moe_experts is None:
+            continue  # dense: the MoE fields are unused
+        have = getattr(tconf, name, want)  # a field this megatron-core lacks cannot be set
+        if have != want:
+            _unsupported(f"megatron TransformerConfig.{name}={have!r}", f"needs {want!r}")
+
+
+def _unsupported(option: str, why: str) -> None:
+    raise ConfigError(f"{option}: cannot be exported to Hugging Face LlamaForCausalLM/MixtralForCausalLM ({why})")
+
+
+def hf_config(config: Config, vocab_size: int, dtype: str) -> dict:
+    """config.json for ``LlamaForCausalLM`` (dense) or ``MixtralForCausalLM`` (MoE).
+
+    ``vocab_size``: the tokenizer's size (the exported embedding has no padding rows);
+    ``dtype``: 'float32' or 'bfloat16', the dtype of the saved weights. Token ids of
+    ``<s>``/``</s>`` are sentencepiece's defaults (1, 2), which the built-in tokenizer uses.
+    """
+    m = config.model
+    heads = m.num_attention_heads
+    out = {
+        "vocab_size": vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m.num_query_groups or heads,
+        "head_dim": m.hidden_size // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": 1e-5,  # megatron TransformerConfig.layernorm_epsilon default
+        "rope_theta": ROPE_THETA,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "attention_dropout": 0.0,
+        "initializer_range": m.init_method_std,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if m.num_experts is None:
+        out.update(architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=m.ffn_hidden_size,
+                   attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                   intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+                   num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                   router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=False,
+                   router_jitter_noise=0.0, sliding_window=None)
+    return out

@@ -1,0 +1,166 @@
+"""Read a torch_dist checkpoint of any parallel layout into one TP=PP=EP=1 model's tensors.
+
+Checkpoint contract (written by the trainer's saver): ``SAVE/iter_N/`` is a
+``megatron.core.dist_checkpointing`` folder whose state dict has ``"model"`` = model
+chunk 0's ``sharded_state_dict()`` (``"model0"``, ``"model1"``... with virtual pipeline
+stages; the sharded keys use global layer numbers, so they are the same in every
+layout) and the common (non-sharded) key ``"config"`` = ``dataclasses.asdict`` of the
+run Config; ``SAVE/latest_checkpointed_iteration.txt`` names N. Only the model tensors
+are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import tempfile
+
+import torch
+
+from loco_megatron.checkpoint import files
+from loco_megatron.config import Config, ConfigError
+
+LATEST = files.LATEST
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def resolve_iteration_dir(load: str) -> pathlib.Path:
+    """``--load`` (a SAVE root, whose latest iteration is used, or an ``iter_N`` folder) ->
+    the iteration folder. Raises ConfigError naming the file when it is not a complete
+    torch_dist checkpoint."""
+    root = pathlib.Path(load)
+    if not root.exists():
+        raise ConfigError(f"--load: {load} does not exist")
+    if not root.is_dir():
+        raise ConfigError(f"--load: {load} is not a checkpoint folder")
+    latest = root / LATEST
+    if latest.is_file():
+        text = latest.read_text().strip()
+        if not text.isdigit():
+            raise ConfigError(f"--load: {latest} does not hold an iteration number ({text[:40]!r})")
+        path = files.iter_dir(root, int(text))
+        if not path.is_dir():
+            raise ConfigError(f"--load: {latest} names iteration {int(text)}, but {path} does not exist")
+    elif any(p.name.startswith("iter_") for p in root.iterdir()):
+        raise ConfigError(f"--load: {load} has iteration folders but no {LATEST} (no complete save); "
+                          "pass an iter_N folder")
+    else:
+        path = root
+    if any(path.glob("rank_*.pt")):
+        raise ConfigError(f"--load: {path} was saved with --ckpt-format torch (one file per rank, which cannot "
+                          "be resharded); save it with --ckpt-format torch_dist to export it")
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not (path / name).is_file():
+            raise ConfigError(f"--load: {path / name} is missing: not a complete torch_dist checkpoint")
+    verify_checksums(path)
+    return path
+
+
+def verify_checksums(path: pathlib.Path) -> None:
+    """Compare every file against the SHA-256 the saving ranks recorded (``sha256.rank_R.json``,
+    written by the torch_dist saver of ``loco_megatron.checkpoint``): a corrupt shard that
+    still unpickles would otherwise export wrong weights silently."""
+    entries = files.sidecar_entries(path)
+    if not entries:
+        raise ConfigError(f"--load: {path} has no sha256.rank_*.json (an incomplete copy?)")
+    for name, want in entries:
+        if not (path / name).is_file():
+            raise ConfigError(f"--load: {path / name} is missing (listed in the checkpoint's checksums)")
+        if files.sha256(path / name) != want:
+            raise ConfigError(f"--load: {path / name} does not match its recorded SHA-256 (corrupt file)")
+
+
+def read_run_config(path: pathlib.Path) -> Config:
+    """The run Config stored in the checkpoint's common state (key ``config``)."""
+    from megatron.core import dist_checkpointing
+
+    from loco_megatron.cli import make_config
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:
+        raise ConfigError(f"--load: {path / 'common.pt'} cannot be read ({_first_line(e)})") from None
+    saved = common.get("config") if isinstance(common, dict) else None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--load: {path / 'common.pt'} has no 'config' entry: not written by loco-megatron")
+    flat = {k: v for section in saved.values() if isinstance(section, dict) for k, v in section.items()}
+    try:
+        return make_config(flat)
+    except ConfigError as e:
+        raise ConfigError(f"--load: the run config stored in {path} is not valid here ({e})") from None
+
+
+def single_rank_config(config: Config) -> Config:
+    """The same model shape on one rank: TP = PP = EP = 1, no virtual stages, no sequence
+    parallelism or recomputation (neither changes a weight)."""
+    parallel = dataclasses.replace(
+        config.parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, sequence_parallel=False,
+        use_distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
+    model = dataclasses.replace(config.model, recompute_granularity=None, recompute_method=None,
+                                recompute_num_layers=None, use_cpu_initialization=True)
+    loco = dataclasses.replace(config.loco, param_gather_bits=0)
+    return dataclasses.replace(config, parallel=parallel, model=model, loco=loco)
+
+
+def embedding_rows(path: pathlib.Path) -> tuple[int, bool]:
+    """(rows of the saved word embedding, whether the sharded keys carry megatron DDP's
+    ``module.`` prefix) from the checkpoint's tensor metadata."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as e:
+        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({_first_line(e)})") from None
+    for key, tensor in meta.items():
+        if key.endswith(_EMBEDDING):
+            return tensor.global_shape[0], key.startswith("module.")
+    raise ConfigError(f"--load: {path} has no {_EMBEDDING}: not a GPT model checkpoint")
+
+
+def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool) -> dict:
+    """The model's global tensors (GPTModel ``state_dict`` names, TP=1) from ``path``.
+
+    Runs in this process: a one-rank gloo group and megatron's parallel state (torn down
+    before returning), the model built by :func:`loco_megatron.model.build_model` with
+    ``rows`` vocabulary rows (without DDP's gradient buffers), and ``dist_checkpointing.load`` of its sharded state dict,
+    which reassembles every tensor from whatever layout saved it (TP slices, PP stages,
+    EP experts, the gate/up interleave of SwiGLU under TP).
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    # torch.distributed.checkpoint's read errors (e.g. a truncated shard) derive from BaseException.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from loco_megatron.distributed import init_distributed
+    from loco_megatron.model import build_model
+    from loco_megatron.platform import detect_platform, platform_context
+
+    platform = detect_platform(0, force_cpu=True)
+    with tempfile.TemporaryDirectory() as store, platform_context(platform):
+        init_distributed(config, platform, 0, 1, init_method=f"file://{store}/rendezvous")
+        try:
+            model = build_model(config, rows, platform.device, wrap=False)[0]
+            sharded = model.sharded_state_dict(prefix="module." if ddp_prefix else "")
+            try:
+                loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
+            except CheckpointException as e:
+                inner = next(iter(e.failures.values()), e)  # (exception, traceback) per rank
+                inner = inner[0] if isinstance(inner, tuple) else inner
+                raise ConfigError(f"--load: a shard file (__*.distcp) in {path} is damaged or truncated "
+                                  f"({_first_line(inner)})") from None
+            except Exception as e:
+                raise ConfigError(f"--load: {path} cannot be read ({_first_line(e)})") from None
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    prefix = "module." if ddp_prefix else ""
+    return {k[len(prefix):]: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def _first_line(e: Exception) -> str:
+    text = re.sub(r"\s+", " ", str(e)).strip()
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

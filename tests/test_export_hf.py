@@ -1,0 +1,237 @@
+"""tools/export_hf.py: torch_dist checkpoints of parallel layouts -> transformers folders that
+compute the framework's logits, with a tokenizer that encodes like the run's sentencepiece model.
+
+The dense checkpoint is written by pretrain_gpt.py --save (PP 2); the MoE one by
+tests/export_fixture.py (EP 2, a torchrun script saving by the same checkpoint contract:
+dist_checkpointing of {"model": chunk 0's sharded state dict, "config": asdict(config)}
+plus the saver's checksums). The fixture also computes the framework's own logits for
+fixed ids, in the saving layout (MoE) or in another one (TP 2, for the PP 2 checkpoint).
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from conftest import REPO
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "1", "--global-batch-size", "2"]
+
+
+def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> pathlib.Path:
+    """A small byte-fallback BPE tokenizer trained like the built-in corpus's (400 pieces)."""
+    from loco_megatron.data.corpus import stdlib_documents
+    from loco_megatron.data.tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("export")
+    train_sentencepiece(stdlib_documents()[:40], str(root / "tok"), 400)
+    return root
+
+
+def _checkpoint(work: pathlib.Path, name: str, flags: list) -> pathlib.Path:
+    out = work / name
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(REPO / "tests" / "export_fixture.py"), str(out), str(work / "tok.model"), *SHAPE, *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _export(work: pathlib.Path, load, out, *extra, tokenizer: bool = True) -> subprocess.CompletedProcess:
+    tok = ["--tokenizer-model", str(work / "tok.model")] if tokenizer else []
+    return _run([sys.executable, "tools/export_hf.py", "--load", str(load), "--out", str(out), *tok, *extra])
+
+
+def _assert_logits_match(folder: pathlib.Path, reference: pathlib.Path, architecture: str):
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(reference)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == architecture
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    assert logits.shape == ref["logits"].shape  # vocabulary padding stripped
+    scale = ref["logits"].abs().max()
+    assert (logits - ref["logits"]).abs().max() <= 1e-4 * scale, (logits - ref["logits"]).abs().max()
+
+
+@pytest.fixture(scope="module")
+def dense(work) -> pathlib.Path:
+    """pretrain_gpt.py --save at PP 2 (GQA: 4 heads, 2 query groups; untied embeddings; 2 steps
+    at lr 0.05, so norms are no longer all ones), the framework's logits of the saved weights
+    computed at TP 2 (tests/export_fixture.py --load), exported from the SAVE root."""
+    import json
+
+    from loco_megatron.data.corpus import stdlib_documents
+
+    docs = work / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": d}) for d in stdlib_documents()[:40]))
+    proc = _run([sys.executable, "tools/preprocess_data.py", "--input", str(docs), "--tokenizer-model",
+                 str(work / "tok.model"), "--output-prefix", str(work / "ds")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gqa = ["--num-query-groups", "2"]
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "pretrain_gpt.py",
+                 *SHAPE, *gqa, "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--lr", "0.05",
+                 "--lr-warmup-iters", "0", "--eval-interval", "0", "--data-path", str(work / "ds"),
+                 "--tokenizer-model", str(work / "tok.model"), "--save", str(work / "dense" / "ckpt")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _checkpoint(work, "dense", [*gqa, "--tensor-model-parallel-size", "2",
+                                "--load", str(work / "dense" / "ckpt" / "iter_0000002")])
+    proc = _export(work, work / "dense" / "ckpt", work / "dense_hf", tokenizer=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("exported ") and "saved as TP 1 x PP 2 x EP 1" in proc.stdout
+    return work / "dense"
+
+
+def test_trainer_pp2_checkpoint_exports_to_llama_with_the_tp2_logits(work, dense):
+    """Guards against a wrong split of megatron's fused per-query-group linear_qkv into q/k/v
+    (GQA heads paired with the wrong k/v), gate/up swapped in SwiGLU's fc1, norms mapped to
+    the wrong layer or slot, the stages of a PP 2 checkpoint written by the trainer not
+    reassembled (or a layer numbering that differs from the TP 2 model computing the
+    reference), vocabulary padding left in the embedding, the run's tokenizer (named in the
+    saved config) not found without --tokenizer-model, or a config.json (RoPE theta, eps,
+    head counts) that computes something else."""
+    import json
+
+    hf = json.loads((work / "dense_hf" / "config.json").read_text())
+    assert (hf["architectures"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (
+        ["LlamaForCausalLM"], 2, False)
+    _assert_logits_match(work / "dense_hf", dense / "reference.pt", "LlamaForCausalLM")
+
+
+def test_exported_tokenizer_encodes_like_sentencepiece(work, dense):
+    """Guards against the exported tokenizer giving other ids than the sentencepiece model the
+    run trained with: transformers' own LlamaTokenizer conversion merges whitespace runs
+    (indentation) differently for about 29% of source-code chunks, treats a leading
+    space differently, and reads '<s>' in text as the control token; also guards against
+    a <s> prepended that training never saw, and a decode that does not give the text back."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(work / "tok.model"))
+    tok = AutoTokenizer.from_pretrained(work / "dense_hf")
+    texts = [" leading space", "  two", "x\n\tif a:\n        return  b  ", "héllo 世界 🙂\x00", "<s> a </s>", ""]
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[30:70]:
+        src = path.read_text(encoding="utf-8", errors="replace")
+        texts += [src[i:i + 2000] for i in range(0, min(len(src), 20000), 2000)]
+    for text in texts:
+        ids = sp.encode(text)
+        assert tok(text)["input_ids"] == ids, text[:60]
+        assert tok.decode(ids) == sp.decode(ids), text[:60]
+
+
+def test_moe_ep2_checkpoint_exports_to_mixtral_with_the_same_logits(work):
+    """Guards against experts of an EP 2 checkpoint not reassembled or renumbered, the router
+    mapped to the wrong tensor, a routing normalisation that differs from megatron's
+    (top-k of the logits then softmax over those k = Mixtral's softmax, top-k, renormalise),
+    gate/up of each expert swapped, and tied embeddings exported as an output layer."""
+    ckpt = _checkpoint(work, "moe", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+                                     "--expert-model-parallel-size", "2",
+                                     "--no-untie-embeddings-and-output-weights"])
+    proc = _export(work, ckpt / "ckpt" / "iter_0000001", work / "moe_hf")  # an iter_N folder, not the root
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved as TP 1 x PP 1 x EP 2" in proc.stdout
+    _assert_logits_match(work / "moe_hf", ckpt / "reference.pt", "MixtralForCausalLM")
+
+
+def _assert_one_line_error(proc, *words):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export_hf.py: error: "), proc.stderr[-2000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_path):
+    """Guards against tracebacks or partial folders for: an option LLaMA cannot express
+    (learned absolute positions would export silently wrong), a missing --load, a
+    half-written checkpoint (no metadata), the per-rank torch format (cannot be resharded),
+    a shard with a flipped byte (would export wrong weights), the wrong tokenizer, and an
+    existing --out (overwritten)."""
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    from loco_megatron.checkpoint import files
+
+    ckpt = dense / "ckpt" / "iter_0000002"
+    out = tmp_path / "hf"
+
+    learned = tmp_path / "learned"
+    shutil.copytree(ckpt, learned)
+    common = dist_checkpointing.load_common_state_dict(str(learned))
+    common["config"]["model"]["position_embedding_type"] = "learned_absolute"
+    torch.save(common, learned / "common.pt")
+    sidecar = learned / files.SIDECAR.format(rank=0)  # a consistent checkpoint of another model
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "common.pt": files.sha256(learned / "common.pt")}))
+    _assert_one_line_error(_export(work, learned, out), "--position-embedding-type learned_absolute")
+
+    _assert_one_line_error(_export(work, tmp_path / "nowhere", out), "--load", "does not exist")
+
+    half = tmp_path / "half"
+    shutil.copytree(ckpt, half)
+    (half / "metadata.json").unlink()
+    _assert_one_line_error(_export(work, half, out), "metadata.json")
+
+    per_rank = tmp_path / "torch_format" / "iter_0000003"
+    per_rank.mkdir(parents=True)
+    (per_rank / "rank_00000.pt").write_bytes(b"x")
+    (per_rank.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    _assert_one_line_error(_export(work, per_rank.parent, out), "--ckpt-format torch_dist")
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(ckpt, flipped)
+    shard = next(flipped.glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # still unpickles: only the saver's checksums catch it
+    shard.write_bytes(bytes(data))
+    _assert_one_line_error(_export(work, flipped, out), str(shard), "SHA-256")
+
+    from loco_megatron.data.corpus import stdlib_documents
+    from loco_megatron.data.tokenizer import train_sentencepiece
+
+    other = train_sentencepiece(stdlib_documents()[:40], str(tmp_path / "other"), 600)
+    _assert_one_line_error(_export(work, ckpt, out, "--tokenizer-model", other), "--tokenizer-model", "600 pieces")
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _assert_one_line_error(_export(work, ckpt, out), "--out", "already exists")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_options_llama_and_mixtral_cannot_express_are_named():
+    """Guards against exporting a model transformers would compute differently without a
+    word: learned positions, LayerNorm, a GeLU MLP with biases, or megatron's pre-softmax
+    routing (softmax over all experts, top-k, no renormalisation: not Mixtral's); and against
+    refusing the shipped LLaMA/Mixtral configs."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+    from loco_megatron.export.hf_config import check_exportable
+    from loco_megatron.export.reader import single_rank_config
+    from loco_megatron.model import transformer_config
+
+    for name in ("tiny_gpt", "tiny_moe", "llama2_7b", "mixtral_8x7b"):
+        config = single_rank_config(parse_config(["--config", str(REPO / "configs" / f"{name}.yaml")]))
+        check_exportable(config, transformer_config(config))
+    for flags, named in ((["--position-embedding-type", "learned_absolute"], "--position-embedding-type"),
+                         (["--normalization", "LayerNorm"], "--normalization LayerNorm"),
+                         (["--no-swiglu"], "--no-swiglu")):
+        with pytest.raises(ConfigError, match=named):
+            check_exportable(parse_config(flags))
+    moe = parse_config(["--config", str(REPO / "configs" / "tiny_moe.yaml")])
+    tconf = transformer_config(moe)
+    tconf.moe_router_pre_softmax = True
+    with pytest.raises(ConfigError, match="moe_router_pre_softmax"):
+        check_exportable(moe, tconf)
