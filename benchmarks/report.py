@@ -13,7 +13,8 @@ from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
 
     python benchmarks/report.py --results results --sections 2bit
 
-rewrites only that section of an existing page.
+rewrites only that section of an existing page (``--sections checkpoint``: the
+checkpoint section, from ``RESULTS/checkpoint.txt``).
 """
 
 from __future__ import annotations
@@ -154,12 +155,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default="docs/benchmarks.md")
-    ap.add_argument("--sections", choices=["all", "2bit"], default="all",
-                    help="2bit: replace only the 2-bit section of the existing --out page")
+    ap.add_argument("--sections", choices=["all", *PARTIAL], default="all",
+                    help="2bit / checkpoint: replace only that section of the existing --out page")
     args = ap.parse_args()
     res, out = pathlib.Path(args.results), pathlib.Path(args.out)
-    if args.sections == "2bit":
-        return update_two_bit(res, out)
+    if args.sections != "all":
+        return update_section(args.sections, res, out)
     assets = out.parent / "benchmarks"
     assets.mkdir(parents=True, exist_ok=True)
     for needed in (res / "speed" / "speed.md", res / "quality" / "quality.md", res / "kernels.txt"):
@@ -231,6 +232,7 @@ def main() -> None:
         "(1M-256M elements, ratio to a device-to-device copy, speedup over torch).",
         "",
         *optional_sections(res),
+        *checkpoint_section(res),
         *two_bit_section(res),
         "## What the numbers mean",
         "",
@@ -264,9 +266,8 @@ def main() -> None:
 
 
 def optional_sections(res: pathlib.Path) -> list[str]:
-    """Sections 4-6 when their outputs exist: RESULTS/memory.txt (``benchmarks/memory.py``),
-    RESULTS/preprocess.txt (``benchmarks/preprocess.py``) and RESULTS/checkpoint.txt
-    (``benchmarks/checkpoint.py``)."""
+    """Sections 4-5 when their outputs exist: RESULTS/memory.txt (``benchmarks/memory.py``)
+    and RESULTS/preprocess.txt (``benchmarks/preprocess.py``)."""
     out = []
     if (res / "memory.txt").is_file():
         out += ["## 4. Memory per rank and layouts (`benchmarks/memory.py`)", "",
@@ -277,17 +278,24 @@ def optional_sections(res: pathlib.Path) -> list[str]:
     if (res / "preprocess.txt").is_file():
         out += ["## 5. Preprocessing throughput (`benchmarks/preprocess.py`)", "", "```",
                 (res / "preprocess.txt").read_text().strip(), "```", ""]
-    if (res / "checkpoint.txt").is_file():
-        out += ["## 6. Checkpoints (`benchmarks/checkpoint.py`)", "",
-                "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
-                "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
-                "training loop is blocked per save, until the save is committed, loading, and bytes",
-                "on disk per parameter.", "",
-                (res / "checkpoint.txt").read_text().strip(), ""]
     return out
 
 
-TWO_BIT_HEADING = "## 6. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
+CHECKPOINT_HEADING = "## 6. Checkpoints (`benchmarks/checkpoint.py`)"
+TWO_BIT_HEADING = "## 7. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
+
+
+def checkpoint_section(res: pathlib.Path) -> list[str]:
+    """Section 6 from RESULTS/checkpoint.txt (``benchmarks/checkpoint.py``) when present."""
+    if not (res / "checkpoint.txt").is_file():
+        return []
+    return [CHECKPOINT_HEADING, "",
+            "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
+            "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
+            "training loop is blocked per save, until the save is committed, loading, and bytes",
+            "on disk per parameter.", "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
+            "python benchmarks/report.py --results results --sections checkpoint", "```", "",
+            (res / "checkpoint.txt").read_text().strip(), ""]
 
 
 def _quality_rows(md: str) -> dict[str, list[str]]:
@@ -316,7 +324,7 @@ def headline_two_bit(md: str, label: str) -> list[str]:
 
 
 def two_bit_section(res: pathlib.Path) -> list[str]:
-    """Section 6 from RESULTS/quality2bit (and RESULTS/quality2bit_long) when present."""
+    """Section 7 from RESULTS/quality2bit (and RESULTS/quality2bit_long) when present."""
     parts = [(res / "quality2bit" / "quality.md", "200 steps"), (res / "quality2bit_long" / "quality.md", "long run")]
     parts = [(p.read_text(), label) for p, label in parts if p.is_file()]
     if not parts:
@@ -335,23 +343,35 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
     return out
 
 
-def update_two_bit(res: pathlib.Path, out: pathlib.Path) -> None:
-    """Replace (or insert, before "What the numbers mean") section 6 of an existing page."""
-    section = two_bit_section(res)
+PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
+           "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)")}
+"""``--sections`` name -> (heading, section builder, what must exist in --results)."""
+
+
+def _number(heading: str) -> int:
+    return int(re.match(r"## (\d+)\.", heading).group(1))
+
+
+def update_section(name: str, res: pathlib.Path, out: pathlib.Path) -> None:
+    """Replace one numbered section of an existing page, or insert it before the first
+    section with a higher number (else before "What the numbers mean")."""
+    heading, build, needs = PARTIAL[name]
+    section = build(res)
     if not section:
-        sys.exit(f"error: {res / 'quality2bit' / 'quality.md'} is missing; run quality.py --variants 2bit first")
+        sys.exit(f"error: {res}/{needs} is missing; run that benchmark first")
     if not out.is_file():
         sys.exit(f"error: {out} does not exist; generate the whole page first")
     text = out.read_text()
-    new = "\n".join(section)
-    if TWO_BIT_HEADING in text:
-        head, rest = text.split(TWO_BIT_HEADING, 1)
-        tail = rest[rest.index("\n## "):] if "\n## " in rest else "\n"
-        text = head + new.rstrip("\n") + "\n" + tail
+    new = "\n".join(section).rstrip("\n") + "\n\n"
+    if heading in text:
+        head, rest = text.split(heading, 1)
+        tail = rest[rest.index("\n## ") + 1:] if "\n## " in rest else ""
     else:
-        head, tail = text.split("## What the numbers mean", 1)
-        text = head + new + "\n## What the numbers mean" + tail
-    out.write_text(text)
+        later = [m.start() for m in re.finditer(r"^## (\d+)\.", text, flags=re.M)
+                 if int(m.group(1)) > _number(heading)]
+        cut = later[0] if later else text.index("## What the numbers mean")
+        head, tail = text[:cut], text[cut:]
+    out.write_text(head + new + tail)
     print(out)
 
 

@@ -122,9 +122,10 @@ def test_memory_analytic_table_backs_the_configs():
         assert r["total"] == pytest.approx(sum(v for k, v in r.items() if k not in ("total", "params")))
 
 
-def test_report_rewrites_only_the_two_bit_section(tmp_path, monkeypatch):
-    """Guards against `report.py --sections 2bit` clobbering the rest of the page, inserting
-    the section twice on a second run, or a 2-bit headline not taken from the table."""
+def test_report_rewrites_only_the_named_section(tmp_path, monkeypatch):
+    """Guards against `report.py --sections 2bit|checkpoint` clobbering the rest of the page,
+    inserting a section twice on a second run or out of numeric order, or a 2-bit headline
+    not taken from the table."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import report
 
@@ -133,15 +134,19 @@ def test_report_rewrites_only_the_two_bit_section(tmp_path, monkeypatch):
              "| LoCo 2-bit | 5.16 | 5.16 | +3.60% |\n| LoCo 2-bit (uniform + mse) | 5.01 | 5.01 | +0.60% |\n")
     (tmp_path / "quality2bit").mkdir()
     (tmp_path / "quality2bit" / "quality.md").write_text(table)
+    (tmp_path / "checkpoint.txt").write_text("| model | format |\n|---|---|\n| tiny | torch |\n")
     page = tmp_path / "b.md"
     page.write_text("# B\n\n## 5. Pre\n\nkeep me\n\n## What the numbers mean\n\n- end\n")
     for _ in range(2):
-        monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
-                                          "--sections", "2bit"])
-        report.main()
+        for section in ("2bit", "checkpoint"):  # 6 inserted after 7 exists: must land before it
+            monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
+                                              "--sections", section])
+            report.main()
     text = page.read_text()
-    assert text.count(report.TWO_BIT_HEADING) == 1 and "keep me" in text and text.endswith("- end\n")
-    assert text.index(report.TWO_BIT_HEADING) < text.index("## What the numbers mean")
+    assert text.count(report.TWO_BIT_HEADING) == 1 and text.count(report.CHECKPOINT_HEADING) == 1
+    assert "keep me" in text and text.endswith("- end\n") and text.count("| tiny | torch |") == 1
+    assert (text.index("## 5. Pre") < text.index(report.CHECKPOINT_HEADING) < text.index(report.TWO_BIT_HEADING)
+            < text.index("## What the numbers mean"))
     assert "best LoCo 2-bit (uniform + mse) final eval loss +0.60%" in text and "met" in text
     assert "original 2-bit scheme +3.60%" in text
 

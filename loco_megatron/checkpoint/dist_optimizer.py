@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from loco_megatron.loco.hooks.version import check_megatron_core_version
+
 _KEYS = (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
 
 
@@ -59,6 +61,8 @@ def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
     (a ShardedTensorFactory where the model has one, e.g. SwiGLU's fused fc1 under TP)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
+    # This module reads the optimizer's private buffer/range maps: refuse untested versions.
+    check_megatron_core_version()
     meta = _model_meta(model_sd)
     world = None if is_loading else _world_tensors(opt)
     params = {}

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from loco_megatron.checkpoint import files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.config import ConfigError
+from loco_megatron.loco.hooks.version import check_megatron_core_version
 
 PER_RANK = ("loco", "param_gather")
 """Registered states whose content depends on the parallel layout (one object per rank)."""
@@ -103,6 +104,7 @@ def _start_writer_manager_detached() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    check_megatron_core_version()  # private module state below: refuse untested versions
     if filesystem_async._results_queue is not None:
         return
     sys.stdout.flush()
