@@ -13,10 +13,11 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 @pytest.mark.parametrize("save_n,save_args,load_n,load_args", [
     (2, [], 4, []),
+    (4, [], 2, []),
     (4, ["--tensor-model-parallel-size", "2"], 4, []),
     (4, ["--pipeline-model-parallel-size", "2"], 4, []),
     (2, MOE + ["--expert-model-parallel-size", "2"], 2, MOE),
-], ids=["dp2-to-dp4", "tp2xdp2-to-dp4", "pp2xdp2-to-dp4", "ep2-to-ep1"])
+], ids=["dp2-to-dp4", "dp4-to-dp2", "tp2xdp2-to-dp4", "pp2xdp2-to-dp4", "ep2-to-ep1"])
 def test_checkpoint_reshards_to_another_layout(save_n, save_args, load_n, load_args, cache_dir, tmp_path):
     """Guards against checkpoints that only load under the layout they were written with
     (model, distributed-optimizer moments, schedule or data position wrong after a change
