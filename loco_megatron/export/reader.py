@@ -21,7 +21,6 @@ import torch
 from loco_megatron.checkpoint import files
 from loco_megatron.config import Config, ConfigError
 
-LATEST = files.LATEST
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -34,7 +33,7 @@ def resolve_iteration_dir(load: str) -> pathlib.Path:
         raise ConfigError(f"--load: {load} does not exist")
     if not root.is_dir():
         raise ConfigError(f"--load: {load} is not a checkpoint folder")
-    latest = root / LATEST
+    latest = root / files.LATEST
     if latest.is_file():
         text = latest.read_text().strip()
         if not text.isdigit():
@@ -43,7 +42,7 @@ def resolve_iteration_dir(load: str) -> pathlib.Path:
         if not path.is_dir():
             raise ConfigError(f"--load: {latest} names iteration {int(text)}, but {path} does not exist")
     elif any(p.name.startswith("iter_") for p in root.iterdir()):
-        raise ConfigError(f"--load: {load} has iteration folders but no {LATEST} (no complete save); "
+        raise ConfigError(f"--load: {load} has iteration folders but no {files.LATEST} (no complete save); "
                           "pass an iter_N folder")
     else:
         path = root

@@ -72,6 +72,7 @@ class ShardLayout:
         self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
         self.options = options or qz.DEFAULT_OPTIONS
         """How the rows were quantised (the receiver needs the quantiser and the rotation)."""
+        self._signs: dict = {}  # device -> Hadamard signs, derived once (not per bucket per step)
         self.pieces = pieces
         self.rows = world * pieces
         self.piece = -(-numel // self.rows)
@@ -82,6 +83,14 @@ class ShardLayout:
         self.padded_shard = pieces * self.piece_padded
         self.code_bytes = self.padded_shard * bits // 8
         self.row_bytes = self.code_bytes + 4 * self.shard_blocks
+
+    def rotation_signs(self, device) -> Optional[torch.Tensor]:
+        """fp32 ``[block_size]`` Hadamard signs on ``device`` (None without rotation)."""
+        if self.options.rotation != "hadamard":
+            return None
+        if device not in self._signs:
+            self._signs[device] = rot.signs(self.block_size, self.options.seed, device)
+        return self._signs[device]
 
     @property
     def divides(self) -> bool:
@@ -137,7 +146,7 @@ def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, 
     ``acc = part_0; acc += part_r; acc *= scale`` would, so the slicing changes no bit.
     """
     B, bits, opts = layout.block_size, layout.bits, layout.options
-    signs = rot.signs(B, opts.seed, recv.device) if opts.rotation == "hadamard" else None
+    signs = layout.rotation_signs(recv.device)
     step = max(1, CHUNK_ELEMENTS // B)  # blocks per slice
     nblk_total = layout.shard_blocks
     scales = [layout.unpack_row(recv[r])[1] for r in range(layout.world)]

@@ -71,7 +71,8 @@ class LoCoCompressor:
         if kernels != "torch" and error_feedback and error_bits != 8:
             raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
         self.options = options or qz.DEFAULT_OPTIONS
-        if kernels != "torch" and self.options.non_default():
+        self._plain = not self.options.non_default()  # today's scheme: the exact fast torch ops
+        if kernels != "torch" and not self._plain:
             raise ValueError(f"the {kernels} kernels do not implement {', '.join(self.options.non_default())}")
         if self.options.rotation == "hadamard":
             rot.check_block_size(block_size)
@@ -222,13 +223,12 @@ class LoCoCompressor:
         if self.reset_interval and self.step and self.step % self.reset_interval == 0:
             self.reset()
         ws = workspace or Workspace()
-        opts = self.options
-        plain = not opts.non_default()
-        key = qz.noise_key(opts.seed, self.stream, self.step)
         if self.kernels == "triton":
             return self._compress_triton(grad, ws)
         if self.kernels == "cpu":
             return self._compress_cpu(grad, ws)
+        opts, plain = self.options, self._plain
+        key = qz.noise_key(opts.seed, self.stream, self.step)
         flat, dev = grad.reshape(-1), grad.device
         chunks = self._chunk_list
         cb = min(self.chunk_blocks, self.num_blocks)

@@ -33,7 +33,7 @@ def signs(block_size: int, seed: int, device=None) -> torch.Tensor:
     return (bits.float() * 2 - 1).to(device or "cpu")
 
 
-def _wht_(x: torch.Tensor) -> torch.Tensor:
+def _wht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalised fast Walsh-Hadamard transform of every row of fp32 ``[n, B]``
     (returns a new tensor; log2(B) butterfly passes)."""
     n, B = x.shape
@@ -48,9 +48,9 @@ def _wht_(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``H (d * x) / sqrt(B)`` of every row of fp32 ``[n, B]`` (new tensor)."""
-    return _wht_(blocks * d).mul_(blocks.shape[1] ** -0.5)
+    return _wht(blocks * d).mul_(blocks.shape[1] ** -0.5)
 
 
 def unrotate(blocks: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``d * (H y) / sqrt(B)`` (new tensor)."""
-    return _wht_(blocks).mul_(blocks.shape[1] ** -0.5).mul_(d)
+    return _wht(blocks).mul_(blocks.shape[1] ** -0.5).mul_(d)
