@@ -142,6 +142,34 @@ def test_kernel_selection():
         resolve_kernels("triton", "cuda", False, 4, 256, 32, True)
 
 
+def test_jit_functions_read_only_constexpr_globals(tk):
+    """Guards against a kernel that passes every interpreted test and does not compile on a
+    GPU: the Triton compiler refuses any global a @triton.jit function reads unless it is a
+    ``tl.constexpr`` (or another jit function / a module), while TRITON_INTERPRET=1 runs
+    plain Python and accepts it. The first H200 run failed all kernels on a plain-float
+    ``_ROUND_MAGIC``; this is its CPU twin (benchmarks/gpu_check.sh compiles them for real)."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)  # compiled / interpreted
+    jitted = {name: obj for name, obj in vars(tk).items() if isinstance(obj, kinds)}
+    assert "_compress_kernel" in jitted and "_round_half_even" in jitted
+    bad = []
+    for name, fn in jitted.items():
+        code, glb = fn.fn.__code__, fn.fn.__globals__
+        for ref in code.co_names:
+            if ref not in glb:
+                continue  # an attribute name (tl.max) or a builtin (float)
+            val = glb[ref]
+            if not isinstance(val, (types.ModuleType, *kinds, tl.constexpr)):
+                bad.append(f"{name} reads {ref} ({type(val).__name__})")
+    assert not bad, bad
+
+
 def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
     """Guards against a wiring bug between the kernels and megatron's buckets: 2-rank
     training with --loco-kernels triton (interpreted) follows the torch path - equal

@@ -26,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds fp32 |x| < 2**22 half to even
+# A global read inside @triton.jit must be a tl.constexpr: the compiler (unlike the CPU
+# interpreter) refuses any other global, so a plain float here passed every interpreted test
+# and failed to compile on the first real GPU.
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M rounds fp32 |x| < 2**22 half to even
 
 
 @triton.jit
