@@ -14,7 +14,9 @@ from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
     python benchmarks/report.py --results results --sections 2bit
 
 rewrites only that section of an existing page (``--sections checkpoint``: the
-checkpoint section, from ``RESULTS/checkpoint.txt``).
+checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections gpu``: the GPU
+check, from ``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh``
+writes).
 """
 
 from __future__ import annotations
@@ -225,15 +227,14 @@ def main() -> None:
         kernels.strip(),
         "```",
         "",
-        "GPU (fused Triton kernels, `--loco-kernels triton`): not measured - no GPU was",
-        "available to the session that produced this page; the kernels are checked for",
-        "bit-compatibility with the reference on CPU under `TRITON_INTERPRET=1`. On a GPU,",
-        "`bash benchmarks/gpu_check.sh` runs the kernel tests on CUDA and the throughput study",
-        "(1M-256M elements, ratio to a device-to-device copy, speedup over torch).",
+        "GPU (fused Triton kernels, `--loco-kernels triton`): section 8, when a GPU check",
+        "ran (`bash benchmarks/gpu_check.sh`); on CPU the kernels are checked for",
+        "bit-compatibility with the reference under `TRITON_INTERPRET=1`.",
         "",
         *optional_sections(res),
         *checkpoint_section(res),
         *two_bit_section(res),
+        *gpu_section(res),
         "## What the numbers mean",
         "",
         "- LoCo compresses the gradient reduce-scatter. With the distributed optimizer the",
@@ -343,7 +344,35 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
     return out
 
 
+GPU_HEADING = "## 8. GPU check (`benchmarks/gpu_check.sh`)"
+
+
+def gpu_section(res: pathlib.Path) -> list[str]:
+    """The GPU check's own output (device, per-step exit codes, kernel-test result,
+    throughput tables, training lines) and the person's ``notes.md`` on it, or nothing
+    when no GPU check ran."""
+    d = res / "gpu"
+    if not (d / "summary.txt").exists():
+        return []
+
+    def lines(name: str, keep=lambda ln: True) -> list[str]:
+        f = d / name
+        text = f.read_text(errors="replace").splitlines() if f.exists() else ["(missing)"]
+        return [ln for ln in text if ln.strip() and "warn" not in ln.lower() and keep(ln)]
+
+    tests = lines("kernel_tests.txt", lambda ln: ln.startswith("FAILED") or re.search(r"\d+ (passed|failed)", ln))
+    train = lines("train_1gpu.txt", lambda ln: ln.startswith(("model:", "layout:", "iter ")))
+    return [GPU_HEADING, "",
+            "One prepared script on a lent GPU: the Triton kernel tests compiled for the device,",
+            "kernel throughput against a device-to-device copy (ratio = copy time / kernel time)",
+            "and a one-GPU training run on NCCL (a DP group of one: no compression on the wire).",
+            "", "```", *lines("gpu.txt"), "", *lines("summary.txt"), "", *tests, "", *lines("kernels_4bit.txt"),
+            "", *lines("kernels_2bit.txt"), "", *train, "```", "",
+            *([(d / "notes.md").read_text().strip(), ""] if (d / "notes.md").exists() else [])]
+
+
 PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
+           "gpu": (GPU_HEADING, gpu_section, "gpu/summary.txt (OUT=results/gpu bash benchmarks/gpu_check.sh)"),
            "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
 

@@ -56,9 +56,12 @@ def test_compress_matches_reference(tk, bits, n, kind):
     scales bit-identical over several steps (so the error feeds back), the stored error
     within one int8 step, the metric sums equal - also for sizes off the block grid.
 
-    (The residual ``h - q*s`` may differ by an ulp of ``h``: torch's addcmul and the
-    GPU kernel fuse it into one FMA, the interpreter cannot. That only shows where the
-    error itself is ulp-sized, e.g. next to 3e38, hence the ulp term.)"""
+    (The residual ``h - q*s`` may differ by an ulp of ``h``: the kernel computes it with
+    one FMA, as torch's addcmul does on CPU, but on CUDA torch rounds ``q*s`` first
+    (measured on an H200) and the interpreter cannot fuse. That only shows where the error
+    itself is ulp-sized, e.g. next to 3e38, hence the ulp term; and where that ulp-sized
+    residual is the largest in its block (3e38 next to O(1) values) it sets the block's
+    int8 error scale, so the error is bounded by the larger of the two error steps.)"""
     ref, fused = _pair(n, bits)
     for step in range(3):
         g = _inputs(n, step)[kind].to(DEVICE)
@@ -66,7 +69,8 @@ def test_compress_matches_reference(tk, bits, n, kind):
         ca, sa = ref.compress(g)
         cb, sb = fused.compress(g)
         assert torch.equal(ca, cb) and torch.equal(sa, sb), step
-        step_size = ref.state_dict()["error_scales"].repeat_interleave(256)[:n]
+        step_size = torch.maximum(ref.state_dict()["error_scales"],
+                                  fused.state_dict()["error_scales"]).repeat_interleave(256)[:n]
         ulps = 2 * torch.finfo(torch.float32).eps * h
         assert torch.all((ref.error() - fused.error()).abs() <= step_size * 1.001 + ulps + 1e-30), step
         # Squares of the ulp-sized residuals next to 3e38 overflow in one and not the other.
@@ -211,7 +215,7 @@ def test_row_padded_layout_matches_reference(tk, rows, numel):
     """Guards against the fused kernel reading across rows or past a ragged last row: with
     rows padded to whole blocks in place (no padded copy), codes, scales and the error
     equal the torch reference's."""
-    g = torch.randn(numel, generator=torch.Generator().manual_seed(3), device=DEVICE)
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ref = LoCoCompressor(numel, bits=4, rows=rows, block_size=8 if numel < 100 else 256, device=DEVICE)
     fused = LoCoCompressor(numel, bits=4, rows=rows, block_size=8 if numel < 100 else 256, device=DEVICE,
                            kernels="triton")

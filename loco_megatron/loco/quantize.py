@@ -120,7 +120,18 @@ def block_scales(blocks: torch.Tensor, bits: int, scratch: Optional[torch.Tensor
     fresh allocation.
     """
     mag = torch.abs(blocks, out=scratch) if scratch is not None else blocks.abs()
-    return mag.amax(dim=1).div_(qmax(bits))
+    return divide_(mag.amax(dim=1), qmax(bits))
+
+
+def divide_(t: torch.Tensor, d: float) -> torch.Tensor:
+    """``t /= d`` correctly rounded on every device (in place; returns ``t``).
+
+    On CUDA, torch turns a division by a Python number into a multiplication by its
+    reciprocal, which differs from ``t / d`` in the last bit (e.g. ``d = 7``): a CUDA
+    rank's scales would not equal a CPU rank's or the fused kernels' (``div_rn``). A 0-dim
+    tensor on ``t``'s device takes the true division everywhere; filling it is a kernel
+    launch, not a host sync."""
+    return t.div_(t.new_full((), float(d)))
 
 
 def divisor(scales: torch.Tensor) -> torch.Tensor:
@@ -256,7 +267,7 @@ def dequant_codes(q: torch.Tensor, scales: torch.Tensor, opts: QuantOptions, out
 def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.Tensor:
     """fp32 ``[n]`` scales of fp32 ``[n, B]`` blocks for ``opts`` (NaN/Inf propagate).
     Default options: exactly :func:`block_scales`."""
-    base = blocks.abs().amax(dim=1).div_(top_level(bits, opts))
+    base = divide_(blocks.abs().amax(dim=1), top_level(bits, opts))
     if opts.scale == "absmax":
         return base
     nearest = dataclasses.replace(opts, rounding="nearest")

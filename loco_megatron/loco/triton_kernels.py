@@ -39,6 +39,18 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _mul(a, b, NO_FMA: tl.constexpr):
+    """``a * b`` rounded on its own. The GPU compiler contracts ``a * b + c`` into one FMA
+    (one rounding), where torch's reference rounds the product and then the sum; the
+    explicit ``mul.rn`` of PTX is never contracted. The interpreter never contracts."""
+    if NO_FMA:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
 def _block_absmax(x):
     """max |x| over a block's planes, NaN-propagating like torch.amax (tl.max is not, and a
     NaN must give a NaN scale so the overflow stays visible). Two built-in reductions
@@ -71,8 +83,9 @@ def _tile(pid, ROWS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_ptr, new_err_s_ptr,
-                     stats_ptr, numel, num_blocks, row_numel, row_blocks, beta,
-                     BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, HAS_ERR: tl.constexpr):
+                     stats_ptr, numel, num_blocks, row_numel, row_blocks, beta, alpha,
+                     BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, HAS_ERR: tl.constexpr,
+                     NO_FMA: tl.constexpr):
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -91,7 +104,7 @@ def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_p
         ok3 = row_ok[:, None, None] & (offs >= 0)
         e8 = tl.load(err_ptr + offs, mask=ok3, other=0).to(tl.float32)
         es = tl.load(err_s_ptr + rows, mask=row_ok, other=0.0)
-        h = e8 * es[:, None, None] + g  # same product and sum as torch.mul(...).add_(g)
+        h = _mul(e8, es[:, None, None], NO_FMA) + g  # same product and sum as torch.mul(...).add_(g)
     else:
         h = g
     s = tl.math.div_rn(_block_absmax(h), QMAX * 1.0)
@@ -107,7 +120,10 @@ def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_p
     h_sq = tl.sum(tl.sum(h * h, axis=2), axis=1)
     r_sq = tl.sum(tl.sum(resid * resid, axis=2), axis=1)
     if HAS_ERR:
-        new_e = (h - g) * beta + resid * (1.0 - beta)
+        # The reference's h.mul_(beta).add_(resid, alpha=1 - beta): a rounded product, then
+        # one FMA (torch's add with alpha is a fused multiply-add on CPU and CUDA), with
+        # alpha = fp32(1 - beta) from the host (1 - fp32(beta) differs in the last bit).
+        new_e = tl.fma(resid, alpha, _mul(h - g, beta, NO_FMA))
         new_s = tl.math.div_rn(_block_absmax(new_e), 127.0)
         new_q = _codes(new_e, new_s, 127)
         ok3 = row_ok[:, None, None] & (offs >= 0)
@@ -124,7 +140,7 @@ def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_p
 @triton.jit
 def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks, row_bytes, code_bytes, scale,
                            WORLD: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
-                           OUT_BF16: tl.constexpr):
+                           OUT_BF16: tl.constexpr, NO_FMA: tl.constexpr):
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
     OFFSET: tl.constexpr = 1 << (BITS - 1)
@@ -143,7 +159,7 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks,
         q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
         s = tl.load(recv_f32_ptr + (r * row_bytes64 + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
         # 0 + x == x exactly, so starting from zeros matches the reference's acc = part_0.
-        acc += q.to(tl.float32) * s[:, None, None]
+        acc += _mul(q.to(tl.float32), s[:, None, None], NO_FMA)
     acc = acc * scale  # exact when scale == 1.0
     if OUT_BF16:
         # fp32 -> bf16 rounding to nearest even on the bits, as torch's copy_ does (and
@@ -153,6 +169,18 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, shard, shard_blocks,
         tl.store(out_ptr + offs, tl.where(acc != acc, 0x7FC0, rounded).to(tl.uint16), mask=offs < shard)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < shard)
+
+
+def _no_fma(t: torch.Tensor) -> bool:
+    """Compiled for an NVIDIA GPU (PTX inline assembly available); the interpreter and
+    ROCm take the plain product."""
+    return t.is_cuda and torch.version.hip is None and not triton_interpreted()
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1, chosen before import)."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+    return isinstance(_compress_kernel, InterpretedFunction)
 
 
 def _rows(t: torch.Tensor) -> int:
@@ -183,8 +211,8 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
     rows = _rows(g)
     _compress_kernel[(triton.cdiv(nb, rows),)](
         g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
-        new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, row_numel, row_blocks, float(beta),
-        BITS=bits, B=block_size, ROWS=rows, HAS_ERR=has_err)
+        new_err if has_err else dummy, new_err_scales if has_err else dummy, stats, numel, nb, row_numel, row_blocks, float(beta), 1.0 - beta,
+        BITS=bits, B=block_size, ROWS=rows, HAS_ERR=has_err, NO_FMA=_no_fma(g))
     return codes, scales
 
 
@@ -198,4 +226,4 @@ def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float =
     _decompress_sum_kernel[(triton.cdiv(layout.shard_blocks, rows),)](
         recv, recv.view(torch.float32), out.view(torch.uint16) if bf16 else out, out.numel(), layout.shard_blocks, layout.row_bytes,
         layout.code_bytes, float(scale), WORLD=layout.world, BITS=layout.bits, B=layout.block_size, ROWS=rows,
-        OUT_BF16=bf16)
+        OUT_BF16=bf16, NO_FMA=_no_fma(recv))
