@@ -34,13 +34,70 @@ def test_every_script_passes_bash_n_and_shellcheck():
         assert proc.returncode == 0, proc.stdout
 
 
-def test_hostlist_expansion():
+def test_hostlist_expansion_asks_slurm(tmp_path):
     """Guards against mis-reading Slurm's compressed node lists (the first host is the
-    rendezvous endpoint)."""
-    assert launch.expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
-    assert launch.expand_hostlist("a1,b[9-10]-ib") == ["a1", "b9-ib", "b10-ib"]
-    with pytest.raises(ValueError):
-        launch.expand_hostlist("n[3-1]")
+    rendezvous endpoint): a hand-written parser broke on ``r[1-2]n[01-02]``; the list now
+    goes to ``scontrol show hostnames`` (shimmed: it answers for that list only), a plain
+    list needs no Slurm, and a failing or missing scontrol is one error."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(
+        "#!/usr/bin/env bash\necho \"$@\" >> " + str(log) + "\n"
+        "[[ $* == 'show hostnames r[1-2]n[01-02]' ]] || { echo 'scontrol: error: Invalid hostlist' >&2; exit 1; }\n"
+        "printf '%s\\n' r1n01 r1n02 r2n01 r2n02\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="r[1-2]n[01-02]",
+               SLURM_NNODES="4", SLURM_JOB_ID="7")
+    assert launch.expand_hostlist("r[1-2]n[01-02]", env) == ["r1n01", "r1n02", "r2n01", "r2n02"]
+    assert log.read_text().splitlines() == ["show hostnames r[1-2]n[01-02]"]
+    cmd = launch.node_command(3, env, "configs/tiny_gpt.yaml", "runs/x", [])
+    assert "--rdzv-endpoint=r1n01:29407" in cmd and "--nnodes=4" in cmd
+    assert launch.expand_hostlist("a1,b2", {"PATH": ""}) == ["a1", "b2"]  # no Slurm needed
+    with pytest.raises(ValueError, match="Invalid hostlist"):
+        launch.expand_hostlist("n[3-1]", env)
+    with pytest.raises(ValueError, match="needs Slurm's scontrol"):
+        launch.expand_hostlist("n[1-2]", {"PATH": str(tmp_path / "empty")})
+
+
+def test_template_checks_data_runs_setup_on_every_node_and_passes_cpus(tmp_path):
+    """Guards against three ways a Slurm job goes wrong after waiting in the queue: a
+    large config submitted without DATA_PATH/TOKENIZER (it trained a 1.3B model on the
+    built-in corpus) must stop at once with one line; SETUP (environment activation) must
+    run on every node before python starts; srun must get --cpus-per-task (Slurm 22.05+
+    does not pass it down) and --label."""
+    bin_dir = _shims(tmp_path)
+    srun_log, py_log = tmp_path / "srun.log", tmp_path / "python.log"
+    # srun shim: log the flags it was given, then run the command once per fake node.
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\nflags=()\nwhile [[ $1 == --* ]]; do flags+=(\"$1\"); shift; done\n"
+        f"echo \"${{flags[*]}}\" >> {srun_log}\n"
+        "for ((i=0; i<SLURM_NNODES; i++)); do SLURM_NODEID=$i \"$@\" || exit $?; done\n")
+    fake = tmp_path / "venv"  # what SETUP activates: a python that only records its call
+    fake.mkdir()
+    (fake / "python").write_text(f"#!/usr/bin/env bash\necho \"node $SLURM_NODEID: $*\" >> {py_log}\n")
+    (fake / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SCONTROL_LOG=str(tmp_path / "sc.log"),
+               SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2", SLURM_JOB_ID="5", SLURM_CPUS_PER_TASK="16",
+               CONFIG="configs/gpt_1.3b.yaml", RUN_DIR=str(tmp_path / "run"))
+    env.pop("DATA_PATH", None), env.pop("TOKENIZER", None)
+    no_data = subprocess.run(["bash", "tools/slurm/pretrain_gpt.sbatch"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert no_data.returncode == 2 and not srun_log.exists() and not (tmp_path / "run").exists()
+    assert no_data.stderr.strip().splitlines() == [
+        "error: configs/gpt_1.3b.yaml needs real data: set DATA_PATH (indexed dataset prefix) and TOKENIZER "
+        "(its tokenizer model)"]
+
+    env.update(DATA_PATH="data/corpus", TOKENIZER="data/tok.model", SETUP=f'export PATH="{fake}:$PATH"')
+    job = subprocess.run(["bash", "tools/slurm/pretrain_gpt.sbatch"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert srun_log.read_text().split() == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--label",
+                                            "--cpus-per-task=16"]
+    calls = py_log.read_text().splitlines()
+    assert [c.split(":")[0] for c in calls] == ["node 0", "node 1"]
+    assert all("tools/launch.py exec --config configs/gpt_1.3b.yaml" in c
+               and "-- --data-path data/corpus --tokenizer-model data/tok.model --loco-bits 4" in c for c in calls)
 
 
 def _free_job_id() -> str:

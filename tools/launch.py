@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
+import shutil
+import subprocess
 import sys
 
 RDZV_PORT_BASE = 29400
@@ -31,28 +32,24 @@ RDZV_PORT_BASE = 29400
 RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def expand_hostlist(spec: str) -> list[str]:
-    """Slurm's compressed host list -> host names: ``gpu[01-03,07],login1`` ->
-    ``gpu01 gpu02 gpu03 gpu07 login1`` (zero padding kept)."""
-    hosts = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", spec):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            if "-" in r:
-                lo, hi = r.split("-", 1)
-                if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                    raise ValueError(f"bad host range '{r}' in '{spec}'")
-                hosts += [f"{prefix}{n:0{len(lo)}d}{suffix}" for n in range(int(lo), int(hi) + 1)]
-            elif r.isdigit():
-                hosts.append(f"{prefix}{r}{suffix}")
-            else:
-                raise ValueError(f"bad host '{r}' in '{spec}'")
-    if not hosts:
-        raise ValueError(f"empty host list '{spec}'")
+def expand_hostlist(spec: str, env: dict | None = None) -> list[str]:
+    """Slurm's compressed host list -> host names, by Slurm itself (``scontrol show
+    hostnames``): its grammar has more forms than a hand-written parser keeps up with
+    (``r[1-2]n[01-02]``, nested brackets, zero padding). A plain comma-separated list
+    (no brackets) needs no Slurm, so ``render`` also works off the cluster."""
+    spec = spec.strip()
+    if not spec:
+        raise ValueError("empty host list")
+    if "[" not in spec:
+        return [h for h in spec.split(",") if h]
+    scontrol = shutil.which("scontrol", path=(env or os.environ).get("PATH"))
+    if scontrol is None:
+        raise ValueError(f"expanding the host list '{spec}' needs Slurm's scontrol, which is not on PATH")
+    proc = subprocess.run([scontrol, "show", "hostnames", spec], capture_output=True, text=True, env=env)
+    hosts = proc.stdout.split()
+    if proc.returncode != 0 or not hosts:
+        why = (proc.stderr.strip().splitlines() or ["no host names"])[-1]
+        raise ValueError(f"scontrol show hostnames '{spec}' failed: {why}")
     return hosts
 
 
@@ -62,7 +59,7 @@ def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         raise ValueError("SLURM_JOB_NODELIST is not set (run inside a Slurm allocation or fake it)")
-    hosts = expand_hostlist(nodelist)
+    hosts = expand_hostlist(nodelist, env)
     nnodes = int(env.get("SLURM_NNODES", len(hosts)))
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside the {nnodes}-node allocation")
@@ -97,7 +94,7 @@ def main() -> None:
     env = dict(os.environ)
     try:
         if args.mode == "render":
-            nnodes = int(env.get("SLURM_NNODES") or len(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))))
+            nnodes = int(env.get("SLURM_NNODES") or len(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""), env)))
             for i in range(nnodes):
                 cmd = node_command(i, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python,
                                args.max_restarts)

@@ -5,6 +5,12 @@
 #   CONFIG    configs/*.yaml with the model and training options
 #   RUN_DIR   folder of this run: checkpoints/, metrics.jsonl, STOP (kept across requeues)
 #   OVERRIDES array of extra pretrain_gpt.py flags (optional)
+# and read from the submitter's environment:
+#   SETUP      shell code run on every node before training, e.g. "source venv/bin/activate"
+#              or "module load cuda; conda activate loco" (optional)
+#   DATA_PATH  indexed dataset prefix (tools/preprocess_data.py --output-prefix) and
+#   TOKENIZER  its tokenizer model: required unless the config is a tiny_* one or sets
+#              data-path itself (else a 1.3B model would train on the built-in corpus)
 
 set -euo pipefail
 
@@ -14,12 +20,21 @@ if [[ ! -f "$CONFIG" ]]; then
     echo "error: CONFIG=$CONFIG does not exist" >&2
     exit 2
 fi
+if [[ -n "${DATA_PATH:-}" || -n "${TOKENIZER:-}" ]]; then
+    if [[ -z "${DATA_PATH:-}" || -z "${TOKENIZER:-}" ]]; then
+        echo "error: set both DATA_PATH and TOKENIZER (the dataset and the tokenizer it was made with)" >&2
+        exit 2
+    fi
+    OVERRIDES=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER" "${OVERRIDES[@]}")
+elif [[ "$(basename "$CONFIG")" != tiny_* ]] && ! grep -q '^data-path:' "$CONFIG"; then
+    echo "error: $CONFIG needs real data: set DATA_PATH (indexed dataset prefix) and TOKENIZER (its tokenizer model)" >&2
+    exit 2
+fi
 mkdir -p "$RUN_DIR"
 STOP_FILE="$RUN_DIR/STOP"
 rm -f "$STOP_FILE"  # a fresh start or a requeued one: train until told otherwise
 
 # NCCL across nodes; override what your fabric needs (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA).
-export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
@@ -48,7 +63,13 @@ on_signal() {
 }
 trap on_signal USR1 TERM
 
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
+# --cpus-per-task: Slurm 22.05+ no longer hands sbatch's value down to srun, which would
+# pin each node's torchrun (and all its ranks) to one core. --label prefixes every output
+# line with its node. SETUP runs in the node's own shell before launch.py starts.
+export SETUP="${SETUP:-}"
+# shellcheck disable=SC2016  # $SETUP and $@ are expanded by each node's shell, not here
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
+    bash -c 'eval "$SETUP" && exec "$@"' loco-node \
     python tools/launch.py exec --config "$CONFIG" --run-dir "$RUN_DIR" ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} \
     --max-restarts "${MAX_RESTARTS:-2}" \
     -- "${OVERRIDES[@]}" &
