@@ -37,6 +37,9 @@ class LaunchEnv:
     local_world_size: int = 1
     cache_home: str = str(pathlib.Path.home() / ".cache")
     wandb_offline: bool = True
+    wandb_dir: Optional[str] = None
+    """WANDB_DIR: wandb's folder unless --wandb-save-dir is given (the Slurm templates
+    point it into the run directory)."""
     triton_interpret: bool = False
     """TRITON_INTERPRET=1: Triton kernels run in its CPU interpreter (tests)."""
     init_method: str = "env://"
@@ -72,6 +75,7 @@ class LaunchEnv:
             local_world_size=as_int("LOCAL_WORLD_SIZE", 1),
             cache_home=environ.get("XDG_CACHE_HOME", str(pathlib.Path.home() / ".cache")),
             wandb_offline=offline,
+            wandb_dir=environ.get("WANDB_DIR") or None,
             triton_interpret=environ.get("TRITON_INTERPRET", "") == "1",
             distributed_timeout_s=float(environ["LOCO_DISTRIBUTED_TIMEOUT_S"])
             if environ.get("LOCO_DISTRIBUTED_TIMEOUT_S") else None,

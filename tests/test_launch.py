@@ -157,7 +157,7 @@ def _shims(tmp_path) -> pathlib.Path:
 def test_signal_checkpoints_requeues_and_resumes(cache_dir, tmp_path):
     """Guards against losing work at a time limit: USR1 to the sbatch job makes training
     save a checkpoint and stop, the job requeues itself, and the requeued job resumes
-    from that checkpoint and finishes."""
+    from that checkpoint and finishes, continuing the same wandb run."""
     env = _slurm_env(tmp_path, _free_job_id())
     run_dir = tmp_path / "run"
     log = tmp_path / "scontrol.log"
@@ -186,3 +186,8 @@ def test_signal_checkpoints_requeues_and_resumes(cache_dir, tmp_path):
     iters = [m["iteration"] for m in read_metrics(run_dir / "metrics.jsonl") if "train/lm_loss" in m]
     assert iters[-3:] == [saved + 1, saved + 2, saved + 3]
     assert log.read_text().split() == ["requeue", env["SLURM_JOB_ID"]]  # not requeued again
+    # wandb (offline here) follows the requeue: both starts log to the one run id kept
+    # next to the checkpoints, in WANDB_DIR = RUN_DIR (every requeue was a new run).
+    run_id = (run_dir / "checkpoints" / "wandb_run_id").read_text().strip()
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(d.name.endswith(f"-{run_id}") for d in wandb_runs), wandb_runs

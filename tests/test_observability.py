@@ -15,7 +15,7 @@ COMM_KEYS = ["comm/grad_sync_total_s", "comm/grad_sync_exposed_s", "comm/param_g
              "comm/compress_s", "comm/decompress_s", "comm/grad_bytes_sent",
              "comm/grad_bytes_uncompressed", "comm/compression_ratio", "comm/compressed_fraction",
              "comm/param_bytes_sent", "comm/param_bytes_uncompressed", "comm/param_compression_ratio",
-             "comm/param_compress_s", "comm/param_decompress_s"]
+             "comm/param_compress_s", "comm/param_decompress_s", "comm/busbw_gbps"]
 TRAIN_KEYS = ["train/lm_loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/step_s",
               "train/skipped_iters", "train/tokens_seen", "mem/peak_bytes"]
 RUN = [*TINY, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6", "--eval-iters", "1"]
@@ -58,6 +58,9 @@ def test_loco_run_reports_every_key_with_sane_values(runs):
                                                           * r["comm/grad_bytes_uncompressed"])
         assert r["comm/compressed_fraction"] == 1.0
         assert 0 <= r["comm/grad_sync_exposed_s"] <= r["comm/grad_sync_total_s"]
+        busy = r["comm/grad_sync_total_s"] + r["comm/param_gather_s"]
+        sent = r["comm/grad_bytes_sent"] + r["comm/param_bytes_sent"]
+        assert r["comm/busbw_gbps"] == pytest.approx(sent * 8 / busy / 1e9, rel=1e-6) and r["comm/busbw_gbps"] > 0
         assert r["comm/grad_sync_exposed_s_max"] >= r["comm/grad_sync_exposed_s"]
         assert r["comm/compress_s"] > 0 and r["comm/decompress_s"] > 0
         assert r["comm/param_gather_s"] > 0  # the distributed optimizer's all-gather is timed
@@ -69,6 +72,16 @@ def test_loco_run_reports_every_key_with_sane_values(runs):
     evals = [m for m in runs["loco"] if "eval/lm_loss" in m]
     assert len(evals) == 1 and evals[0]["eval/ppl"] == pytest.approx(2.718281828 ** evals[0]["eval/lm_loss"],
                                                                        rel=1e-6)
+
+
+def test_run_config_names_the_full_variant(runs):
+    """Guards against dashboards averaging unlike runs (they grouped by loco_bits only, so
+    fp32 and bf16 baselines, or LoCo with and without two-hop or parameter compression,
+    were mixed): every run's config carries its full variant label."""
+    variants = {name: runs[name][0]["config"]["variant"] for name in ("loco", "base", "bf16")}
+    assert variants == {"loco": "LoCo 4-bit (symmetric/absmax/none/nearest) | fp32",
+                        "base": "fp32 reduce-scatter | fp32",
+                        "bf16": "LoCo 4-bit (symmetric/absmax/none/nearest) | bf16"}
 
 
 def test_baseline_run_sends_uncompressed(runs):
@@ -162,6 +175,7 @@ def test_wandb_dashboard_builds_one_panel_per_key():
     grid = report.blocks[-1]
     assert len(grid.panels) == len(wandb_dashboard.PANELS)
     assert grid.runsets[0].filters == "Config('wandb_group') == 'g-obs'"
+    assert wandb_dashboard.GROUP_BY == ["variant"]
     proc = subprocess.run([sys.executable, str(REPO / "tools/wandb_dashboard.py"), "--project", "p",
                            "--group", "g", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and json.loads(proc.stdout)["filter"] == "Config('wandb_group') == 'g'"

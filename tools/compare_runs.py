@@ -20,6 +20,9 @@ import pathlib
 import statistics
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from loco_megatron.metrics.variant import describe  # noqa: E402
+
 
 @dataclasses.dataclass
 class Run:
@@ -67,24 +70,6 @@ def load_run(path: str) -> Run:
     if not train:
         sys.exit(f"error: {p} has no training metrics (was it written with --metrics-jsonl?)")
     return Run(str(p), config, [train[i] for i in sorted(train)], [evals[i] for i in sorted(evals)])
-
-
-def describe(config: dict) -> str:
-    """Human label of a run's gradient sync (and compressed parameter gather), from its config."""
-    label = _describe_grads(config)
-    pbits = config.get("param_gather_bits", 0)
-    return f"{label} + params {pbits}-bit" if pbits else label
-
-
-def _describe_grads(config: dict) -> str:
-    bits = config.get("loco_bits", 0)
-    if bits:
-        if config.get("loco_no_error_feedback"):
-            return f"{bits}-bit, no error feedback"
-        if config.get("loco_beta", 0.8) == 0:
-            return f"{bits}-bit error feedback (beta 0)"
-        return f"LoCo {bits}-bit"
-    return "bf16 reduce-scatter" if config.get("grad_reduce_in_bf16") else "fp32 reduce-scatter"
 
 
 def _label_runs(runs: list[Run], labels: list[str] | None) -> None:

@@ -8,7 +8,7 @@
 
 Runs are selected by the ``wandb_group`` entry of their config (every run logs its
 full config, so the group given with ``--wandb-group`` at training time) and grouped
-by ``loco_bits``. One panel per metric key: loss against tokens and steps, eval
+by ``variant``. One panel per metric key: loss against tokens and steps, eval
 loss, gradient-sync time total and exposed, LoCo compress/decompress time, bytes
 sent per step, compression ratio, tokens/s and step time.
 """
@@ -30,12 +30,18 @@ PANELS = [
     {"title": "Param all-gather (s/step)", "x": "Step", "y": ["comm/param_gather_s"]},
     {"title": "Gradient bytes sent per rank per step", "x": "Step", "y": ["comm/grad_bytes_sent"]},
     {"title": "Compression ratio", "x": "Step", "y": ["comm/compression_ratio"]},
+    {"title": "Achieved bandwidth, bytes sent / collective time (Gbit/s)", "x": "Step", "y": ["comm/busbw_gbps"]},
     {"title": "Tokens/s", "x": "Step", "y": ["train/tokens_per_s"]},
     {"title": "Step time (s)", "x": "Step", "y": ["train/step_s"]},
     {"title": "LoCo error RMS / relative quantisation error", "x": "Step",
      "y": ["loco/error_rms", "loco/quant_rel_error"]},
 ]
 """The report's panels: one per metric key, so that every run appears on each."""
+
+
+# Runs are averaged only within one variant (bits, parameter bits, two-hop, quantiser
+# options, dtype: loco_megatron.metrics.variant), logged as the config key "variant".
+GROUP_BY = ["variant"]
 
 
 def run_filter(group: str | None) -> str:
@@ -52,7 +58,7 @@ def build_report(project: str, entity: str | None, group: str | None, title: str
     import wandb_workspaces.reports.v2 as wr
 
     kw = {"entity": entity} if entity else {}
-    runset = wr.Runset(project=project, filters=run_filter(group), groupby=["loco_bits"],
+    runset = wr.Runset(project=project, filters=run_filter(group), groupby=GROUP_BY,
                        name=group or "all runs", **kw)
     panels = [wr.LinePlot(title=p["title"], x=p["x"], y=list(p["y"])) for p in PANELS]
     report = wr.Report(project=project, title=title or f"LoCo communication: {group or project}",
@@ -79,7 +85,7 @@ def main() -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     if args.dry_run:
-        print(json.dumps({"project": args.project, "filter": flt, "groupby": ["loco_bits"],
+        print(json.dumps({"project": args.project, "filter": flt, "groupby": GROUP_BY,
                           "panels": PANELS}, indent=1))
         return
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import secrets
 from typing import Optional
 
 from loco_megatron.config import ConfigError, LoggingConfig
@@ -22,9 +23,29 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _wandb_run_id(path: Optional[pathlib.Path]) -> Optional[str]:
+    """The run id kept in ``path`` (written there by the first start), or None when
+    there is nowhere to keep one (no --save: nothing resumes, so neither does wandb)."""
+    if path is None:
+        return None
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # wandb's own ids are 8 characters of [a-z0-9] too
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)  # atomic: a crash leaves the old id or the new one, never half of it
+    return run_id
+
+
 class MetricsLogger:
+    """``wandb_dir``: wandb's folder when ``--wandb-save-dir`` is not given (the launcher's
+    ``WANDB_DIR``; else ``./wandb``). ``wandb_id_file``: where the wandb run id is kept
+    (next to the checkpoints), so a requeued or restarted job that resumes the checkpoint
+    also resumes its wandb run instead of starting a new one."""
+
     def __init__(self, cfg: LoggingConfig, run_config: dict, enabled: bool, wandb_offline: bool,
-                 print_fn=print):
+                 print_fn=print, wandb_dir: Optional[str] = None, wandb_id_file: Optional[pathlib.Path] = None):
         self.enabled, self.print = enabled, print_fn
         self._jsonl = None
         self._wandb = None
@@ -39,9 +60,10 @@ class MetricsLogger:
         if cfg.wandb_project:
             import wandb
 
-            save_dir = cfg.wandb_save_dir or "wandb"
+            save_dir = cfg.wandb_save_dir or wandb_dir or "wandb"
             pathlib.Path(save_dir).mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(
+                id=_wandb_run_id(wandb_id_file), resume="allow",
                 project=cfg.wandb_project, name=cfg.wandb_exp_name, group=cfg.wandb_group,
                 tags=[t for t in (cfg.wandb_tags or "").split(",") if t] or None,
                 dir=save_dir, config=run_config, mode="offline" if wandb_offline else "online",

@@ -22,6 +22,7 @@ from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
 from loco_megatron.metrics.logger import MetricsLogger
+from loco_megatron.metrics.variant import variant
 from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
@@ -139,6 +140,12 @@ def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
     del out["comm/compression_ratio_max"]
     raw = out["comm/param_bytes_uncompressed"]
     out["comm/param_compression_ratio"] = out["comm/param_bytes_sent"] / raw if raw else 1.0
+    # Achieved bandwidth: bytes a rank handed to its gradient and parameter collectives
+    # over the time they were in flight, in Gbit/s (mean rank). Overlapping buckets' times
+    # add up, so this is a lower bound on the link's rate.
+    busy = out.get("comm/grad_sync_total_s", 0.0) + out.get("comm/param_gather_s", 0.0)
+    sent = out["comm/grad_bytes_sent"] + out["comm/param_bytes_sent"]
+    out["comm/busbw_gbps"] = sent * 8 / busy / 1e9 if busy > 0 else 0.0
     # Every rank joins the reduction (zeros where nothing was compressed this window).
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     if loco_sums is not None:
@@ -191,8 +198,10 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**config.to_flat_dict(), "world_size": layout.world_size,
                   "data_parallel_size": layout.dp_size, "device": device.type,
-                  "resumed_from_iteration": state.iteration}
-    logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline)
+                  "resumed_from_iteration": state.iteration, "variant": variant(config.to_flat_dict())}
+    wandb_id = pathlib.Path(config.checkpoint.save) / "wandb_run_id" if config.checkpoint.save else None
+    logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline,
+                           wandb_dir=env.wandb_dir, wandb_id_file=wandb_id)
     if layout.is_logging_rank:
         print(startup_summary(config, layout, chunks, vocab), flush=True)
         print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)

@@ -1,0 +1,46 @@
+"""Labels of a run's training variant, from its flat config (the ``config`` record of a
+metrics file, or wandb's run config), so that runs are compared like with like.
+
+:func:`describe` is the short label of the communication scheme (``LoCo 4-bit + params
+4-bit``); :func:`variant` adds everything else that changes the numbers a dashboard
+compares: two-hop, the quantiser options, the error-feedback ablations and the dtype.
+Runs that differ in any of these are never averaged together (wandb groups by it).
+"""
+
+from __future__ import annotations
+
+__all__ = ["describe", "variant"]
+
+
+def describe(config: dict) -> str:
+    """Human label of a run's gradient sync (and compressed parameter gather)."""
+    label = _describe_grads(config)
+    pbits = config.get("param_gather_bits", 0)
+    return f"{label} + params {pbits}-bit" if pbits else label
+
+
+def _describe_grads(config: dict) -> str:
+    bits = config.get("loco_bits", 0)
+    if bits:
+        if config.get("loco_no_error_feedback"):
+            return f"{bits}-bit, no error feedback"
+        if config.get("loco_beta", 0.8) == 0:
+            return f"{bits}-bit error feedback (beta 0)"
+        return f"LoCo {bits}-bit"
+    return "bf16 reduce-scatter" if config.get("grad_reduce_in_bf16") else "fp32 reduce-scatter"
+
+
+def variant(config: dict) -> str:
+    """``describe`` plus two-hop, quantiser options and dtype, e.g. ``LoCo 2-bit
+    (uniform/mse/hadamard/nearest) + two-hop intra 8-bit | bf16``."""
+    label = _describe_grads(config)
+    if config.get("loco_bits", 0):
+        opts = [config.get(f"loco_{k}") for k in ("quantizer", "scale", "rotation", "rounding")]
+        if any(opts):
+            label += f" ({'/'.join(str(o) for o in opts)})"
+        if config.get("loco_hierarchical"):
+            label += f" + two-hop intra {config.get('loco_intra_node_bits', 8)}-bit"
+    pbits = config.get("param_gather_bits", 0)
+    if pbits:
+        label += f" + params {pbits}-bit"
+    return f"{label} | {'bf16' if config.get('bf16') else 'fp32'}"
