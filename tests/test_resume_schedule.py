@@ -129,10 +129,10 @@ def test_resume_with_new_lr_and_train_iters(fmt, cache_dir, tmp_path):
     _pretrain(FIRST + ["--save", ck, "--ckpt-format", fmt], cache_dir, tmp_path, "first")
     resume = ["--lr", "0.0003", "--train-iters", "8", "--lr-warmup-iters", "1", "--load", ck]
     out, lrs = _pretrain(resume, cache_dir, tmp_path, "default")
-    lines = [line for line in out.splitlines() if line.startswith("LR schedule on resume")]
-    assert len(lines) == 1 and "--lr: this run's 0.0003 replaces the checkpoint's 0.00258" in lines[0], out[-2000:]
     assert sorted(lrs) == [5, 6, 7, 8]
     assert 1e-4 < lrs[5] < 3e-4 and lrs[8] == pytest.approx(1e-4), lrs  # decays over 8 steps from 3e-4
+    lines = [line for line in out.splitlines() if line.startswith("LR schedule on resume")]
+    assert len(lines) == 1 and "--lr: this run's 0.0003 replaces the checkpoint's 0.00258" in lines[0], out[-2000:]
     if fmt == "torch":
         out, lrs = _pretrain(resume + ["--use-checkpoint-opt-param-scheduler"], cache_dir, tmp_path, "kept")
         assert "the checkpoint's 0.00258 is kept" in out
