@@ -45,6 +45,10 @@ def _items(config: Config) -> list[tuple[str, str, bool]]:
     ]
 
 
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def reconcile(ours: dict, saved: dict, config: Config) -> tuple[dict, str]:
     """The scheduler state to resume with (``ours``: the freshly built scheduler's
     ``state_dict()``, ``saved``: the checkpoint's), and the one console line (empty when
@@ -61,8 +65,7 @@ def reconcile(ours: dict, saved: dict, config: Config) -> tuple[dict, str]:
                                      f"not on the command line; {OVERRIDE} would take it")
         merged[key] = ours[key] if take_ours else saved[key]
         if ours[key] != saved[key]:
-            mine, theirs = f"{ours[key]:g}" if isinstance(ours[key], float) else ours[key], \
-                f"{saved[key]:g}" if isinstance(saved[key], float) else saved[key]
+            mine, theirs = _show(ours[key]), _show(saved[key])
             parts.append(f"{label}: this run's {mine} replaces the checkpoint's {theirs} ({why})" if take_ours
                          else f"{label}: the checkpoint's {theirs} is kept, not this run's {mine} ({why})")
     # Weight decay is one value (start = end); its increment length follows the decay length.
