@@ -100,12 +100,22 @@ def _scalar_type(annotation) -> type:
 
 
 def _sections() -> dict[str, type]:
-    return {f.name: f.type if isinstance(f.type, type) else typing.get_type_hints(Config)[f.name]
-            for f in dataclasses.fields(Config)}
+    """Config's section dataclasses by field name (``command_line`` is not a section)."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])}
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own error prints the whole usage (60 lines) and exits on every rank at
+    once, so the ranks' output runs together; this one raises ConfigError instead, which
+    ``main_config`` prints as one line, from rank 0 only."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="pretrain_gpt.py",
         description="Megatron-Core GPT/MoE pretraining with LoCo low-bit gradient communication.",
         argument_default=argparse.SUPPRESS,
@@ -151,8 +161,9 @@ def load_yaml_config(path: str) -> dict[str, Any]:
     return out
 
 
-def make_config(values: dict[str, Any]) -> Config:
-    """Build a validated Config from {flag_name: value}."""
+def make_config(values: dict[str, Any], command_line: Sequence[str] = ()) -> Config:
+    """Build a validated Config from {flag_name: value}; ``command_line``: the names of
+    those given on the command line (see ``Config.command_line``)."""
     known = _all_keys()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in _sections()}
     for name, value in values.items():
@@ -165,11 +176,14 @@ def make_config(values: dict[str, Any]) -> Config:
         kwargs = {}
         for name, value in per_section[section].items():
             typ = _scalar_type(hints[name])
-            if value is not None and not isinstance(value, typ) and not (typ is float and isinstance(value, int)):
-                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not a {typ.__name__}")
+            # bool is an int subclass: without the first test YAML's `num-layers: true` would be 1.
+            if value is not None and ((isinstance(value, bool) and typ is not bool) or (
+                    not isinstance(value, typ) and not (typ is float and isinstance(value, int)))):
+                article = "an" if typ.__name__[0] in "aeiou" else "a"
+                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not {article} {typ.__name__}")
             kwargs[name] = float(value) if typ is float and value is not None else value
         sections[section] = cls(**kwargs)
-    return Config(**sections)
+    return Config(**sections, command_line=tuple(sorted(command_line)))
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
@@ -181,7 +195,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
         if name in args and other not in args:
             values[other] = off
     values.update(args)
-    return make_config(values)
+    return make_config(values, command_line=args)
 
 
 def report_error(error: ConfigError, rank: int) -> None:

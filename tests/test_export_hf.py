@@ -235,3 +235,50 @@ def test_options_llama_and_mixtral_cannot_express_are_named():
     tconf.moe_router_pre_softmax = True
     with pytest.raises(ConfigError, match="moe_router_pre_softmax"):
         check_exportable(moe, tconf)
+
+
+def test_export_takes_special_ids_from_the_tokenizer_and_generate_stops_at_eos(tmp_path):
+    """Guards against the export writing bos=1, eos=2 into config.json and
+    generation_config.json whatever the tokenizer says: with a sentencepiece model numbering
+    pad/unk/bos/eos 0/1/2/3, generate() stopped on <s> (2) and never on </s> (3)."""
+    import json
+
+    import sentencepiece as spm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loco_megatron.data.corpus import stdlib_documents
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(stdlib_documents()[:40]), model_prefix=str(tmp_path / "tok0123"), vocab_size=400,
+        model_type="bpe", byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, pad_id=0, unk_id=1, bos_id=2, eos_id=3, minloglevel=2, num_threads=1)
+    model_file = tmp_path / "tok0123.model"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                 str(REPO / "tests" / "export_fixture.py"), str(tmp_path / "ck"), str(model_file), *SHAPE])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "hf"
+    proc = _run([sys.executable, "tools/export_hf.py", "--load", str(tmp_path / "ck" / "ckpt"), "--out", str(out),
+                 "--tokenizer-model", str(model_file)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((out / name).read_text())
+        assert (ids.get("bos_token_id"), ids.get("eos_token_id"), ids.get("pad_token_id")) == (2, 3, 0), (name, ids)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+    assert tok.convert_tokens_to_ids(["<s>", "</s>"]) == [2, 3]
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    # Make </s> the greedy next token after any prompt: the layers add nothing to the
+    # residual, embedding column 0 is a large constant (so is the final norm's output there),
+    # and only the </s> row of the output layer reads it.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3, 0] = 1.0
+    prompt = tok("def f(x):", return_tensors="pt")["input_ids"]
+    generated = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert generated[0, prompt.shape[1]:].tolist() == [3], generated  # </s>, then it stops

@@ -179,3 +179,15 @@ def test_wandb_dashboard_builds_one_panel_per_key():
     proc = subprocess.run([sys.executable, str(REPO / "tools/wandb_dashboard.py"), "--project", "p",
                            "--group", "g", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and json.loads(proc.stdout)["filter"] == "Config('wandb_group') == 'g'"
+
+
+def test_skipped_steps_log_no_grad_norm(cache_dir, tmp_path):
+    """Guards against skipped steps logging `train/grad_norm` 0.0 (reads as vanished
+    gradients) or the previous window's value: a window whose every step was skipped
+    has no grad norm, like it has no loss; the next real step logs its own."""
+    _, metrics = torchrun(1, [*TINY, "--global-batch-size", "4", "--train-iters", "3", "--inject-nan", "1-2:0"],
+                          cache_dir, tmp_path)
+    by_iter = {m["iteration"]: m for m in metrics if "train/skipped_iters" in m}
+    assert sorted(by_iter) == [1, 2, 3]
+    assert "train/grad_norm" not in by_iter[1] and "train/grad_norm" not in by_iter[2], by_iter
+    assert by_iter[3]["train/grad_norm"] > 0 and by_iter[3]["train/skipped_iters"] == 2

@@ -103,3 +103,73 @@ def test_corrupt_checkpoint_is_refused(tmp_path, cache_dir):
     assert proc.returncode != 0
     assert "--load" in proc.stderr and "rank_00000.pt" in proc.stderr
     assert (ck / "iter_0000004" / "rank_00000.pt").read_bytes() == b"garbage"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-layerz", "3"], "unrecognized arguments: --num-layerz 3"),
+    (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
+])
+def test_flag_error_is_one_line_from_rank_0_only(argv, needle, monkeypatch, capsys):
+    """Guards against an argparse error printing the 60-line usage from every rank (their
+    lines running together): one line, from rank 0 only, exit 2 on every rank."""
+    from loco_megatron.cli import main_config
+
+    for rank, lines_wanted in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            main_config(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr()
+        lines = [line for line in (err.out + err.err).splitlines() if line.strip()]
+        assert len(lines) == lines_wanted, lines[:5]
+        if lines:
+            assert lines[0] == f"pretrain_gpt.py: error: {needle}"
+
+
+def test_yaml_bool_for_a_number_is_refused(tmp_path):
+    """Guards against YAML `num-layers: true` being taken as 1 (bool is an int in Python)."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num-layers: true\n")
+    with pytest.raises(ConfigError, match=r"^--num-layers: True is not an int$"):
+        parse_config(["--config", str(cfg)])
+    cfg.write_text("lr: false\n")
+    with pytest.raises(ConfigError, match=r"^--lr: False is not a float$"):
+        parse_config(["--config", str(cfg)])
+
+
+def test_tokenizer_model_directory_is_named_as_such(tmp_path):
+    """Guards against `--tokenizer-model DIR` saying "does not exist" for a folder that does."""
+    from loco_megatron.config import ConfigError
+    from loco_megatron.data.tokenizer import load_tokenizer
+
+    with pytest.raises(ConfigError, match="is a directory, not a sentencepiece .model file"):
+        load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_idx_gives_one_line_and_no_stray_traceback(damage, tmp_path, cache_dir, monkeypatch):
+    """Guards against a corrupt .idx printing a stray `IndexedDataset.__del__` traceback
+    (megatron's half-built object, collected later) after the right one-line error."""
+    import gc
+
+    from loco_megatron.config import ConfigError
+    from loco_megatron.data.corpus import ensure_default_corpus
+    from loco_megatron.data.indexed import check_indexed_dataset
+
+    prefix, _ = ensure_default_corpus(cache_dir, 4096)
+    good = pathlib.Path(prefix + ".idx").read_bytes()
+    bad = tmp_path / "bad"
+    pathlib.Path(str(bad) + ".bin").write_bytes(pathlib.Path(prefix + ".bin").read_bytes())
+    pathlib.Path(str(bad) + ".idx").write_bytes(os.urandom(100) if damage == "garbage" else good[:40])
+    stray = []
+    monkeypatch.setattr(sys, "unraisablehook", stray.append)
+    with pytest.raises(ConfigError) as info:
+        check_indexed_dataset(str(bad), None, None)
+    message = str(info.value)
+    del info  # its traceback holds megatron's frames (and any half-built object)
+    gc.collect()
+    assert stray == [], [s.exc_value for s in stray]
+    assert message.startswith(f"--data-path: {bad}.idx is corrupt"), message

@@ -34,8 +34,18 @@ class OptimizerConfig:
     """Linear warmup as a fraction of the decay iterations (Megatron-LM's flag); replaces
     --lr-warmup-iters. A flag given on the command line overrides the other one's value
     from the config file."""
+    override_opt_param_scheduler: bool = False
+    """On a resume, take every LR-schedule value (--lr, --min-lr, warmup, decay length and
+    style, --weight-decay) from this run, not from the checkpoint (Megatron-LM's flag). Without
+    it or --use-checkpoint-opt-param-scheduler, the values given on the command line win and
+    the others keep the checkpoint's; a differing value is named in one line."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On a resume, keep every LR-schedule value of the checkpoint, whatever this run's flags
+    say (Megatron-LM's flag)."""
 
     def __post_init__(self):
+        require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                "override_opt_param_scheduler", "give either it or --use-checkpoint-opt-param-scheduler, not both")
         require(self.lr > 0, "lr", "must be positive")
         require(0 <= self.min_lr <= self.lr, "min_lr", "must be in [0, --lr]")
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters", "must be >= 0")

@@ -27,6 +27,10 @@ class Config:
     loco: LoCoConfig = dataclasses.field(default_factory=LoCoConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    command_line: tuple[str, ...] = ()
+    """Names of the options given on the command line (not from the --config file or the
+    defaults); not a flag. On a resume they decide whose LR-schedule value wins (see
+    :mod:`loco_megatron.training.schedule`)."""
 
     def __post_init__(self):
         m, p = self.model, self.parallel
@@ -99,5 +103,6 @@ class Config:
         """Every option as {flag_name: value}, e.g. for wandb.config and checkpoints."""
         out = {}
         for f in dataclasses.fields(self):
-            out.update(dataclasses.asdict(getattr(self, f.name)))
+            if dataclasses.is_dataclass(getattr(self, f.name)):
+                out.update(dataclasses.asdict(getattr(self, f.name)))
         return out

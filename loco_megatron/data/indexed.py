@@ -74,6 +74,7 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
     for ext in (".bin", ".idx"):
         if not pathlib.Path(prefix + ext).is_file():
             raise ConfigError(f"--data-path: {prefix + ext} does not exist")
+    _check_index_file(prefix + ".idx")
     try:
         ds = IndexedDataset(prefix, mmap=True)
         n = len(ds)
@@ -100,6 +101,33 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
                           f"tokenizer's vocabulary of {tokenizer.vocab_size}")
     if not meta_path.is_file():  # e.g. made by Megatron-LM's tools: no fingerprint to compare
         _check_round_trip(ds, tokenizer, prefix)
+
+
+def _check_index_file(idx: str) -> None:
+    """Header and size of a megatron ``.idx``, read before ``IndexedDataset`` is built: when
+    its constructor fails on a bad index, the half-built object's ``__del__`` prints a stray
+    AttributeError traceback after our one-line error."""
+    import struct
+
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    head_size = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
+    data = pathlib.Path(idx).read_bytes()[:head_size]
+    problem = ""
+    if len(data) < head_size or data[:len(_INDEX_HEADER)] != _INDEX_HEADER:
+        problem = "not a megatron index (bad header)"
+    else:
+        version, code, sequences, documents = struct.unpack("<QBQQ", data[len(_INDEX_HEADER):])
+        # sequence lengths (int32) and pointers (int64) per sequence, an int64 per document index
+        needed = head_size + 12 * sequences + 8 * documents
+        if version != 1:
+            problem = f"index version {version}, not 1"
+        elif code not in {d.value for d in DType}:
+            problem = f"unknown token dtype code {code}"
+        elif pathlib.Path(idx).stat().st_size < needed:
+            problem = f"truncated: {pathlib.Path(idx).stat().st_size} bytes, its header needs {needed}"
+    if problem:
+        raise ConfigError(f"--data-path: {idx} is corrupt: {problem}")
 
 
 def _check_round_trip(ds, tokenizer, prefix: str, docs: int = 8, tokens: int = 256) -> None:

@@ -34,6 +34,8 @@ def tokenizer_fingerprint(model_path: str) -> str:
 def load_tokenizer(model_path: str):
     """A megatron-core ``MegatronTokenizer`` over the sentencepiece model at ``model_path``."""
     p = pathlib.Path(model_path)
+    if p.is_dir():  # e.g. a Hugging Face tokenizer folder: say so rather than "does not exist"
+        raise ConfigError(f"--tokenizer-model: {model_path} is a directory, not a sentencepiece .model file")
     if not p.is_file():
         raise ConfigError(f"--tokenizer-model: {model_path} does not exist")
     from megatron.core.tokenizers import MegatronTokenizer

@@ -55,12 +55,14 @@ def _unsupported(option: str, why: str) -> None:
     raise ConfigError(f"{option}: cannot be exported to Hugging Face LlamaForCausalLM/MixtralForCausalLM ({why})")
 
 
-def hf_config(config: Config, vocab_size: int, dtype: str) -> dict:
+def hf_config(config: Config, vocab_size: int, dtype: str, special_ids: dict) -> dict:
     """config.json for ``LlamaForCausalLM`` (dense) or ``MixtralForCausalLM`` (MoE).
 
     ``vocab_size``: the tokenizer's size (the exported embedding has no padding rows);
-    ``dtype``: 'float32' or 'bfloat16', the dtype of the saved weights. Token ids of
-    ``<s>``/``</s>`` are sentencepiece's defaults (1, 2), which the built-in tokenizer uses.
+    ``dtype``: 'float32' or 'bfloat16', the dtype of the saved weights; ``special_ids``:
+    ``bos_token_id``/``eos_token_id``/``pad_token_id`` of the run's tokenizer (see
+    :func:`loco_megatron.export.tokenizer.special_token_ids`), not sentencepiece's defaults:
+    ``generate()`` stops at ``eos_token_id``.
     """
     m = config.model
     heads = m.num_attention_heads
@@ -79,8 +81,7 @@ def hf_config(config: Config, vocab_size: int, dtype: str) -> dict:
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "attention_dropout": 0.0,
         "initializer_range": m.init_method_std,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        **special_ids,
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,

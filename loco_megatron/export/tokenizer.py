@@ -44,6 +44,16 @@ def read_pieces(model_path: str):
     return proto.pieces, proto.trainer_spec, proto.normalizer_spec
 
 
+def special_token_ids(model_path: str) -> dict:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of the sentencepiece model as
+    its trainer set them (a model may number pad/unk/bos/eos 0/1/2/3, not the default
+    -/0/1/2); an id the model disables (-1) is left out. Training ends documents with the
+    tokenizer's EOD, which is ``</s>`` (eos)."""
+    pieces, trainer, _ = read_pieces(model_path)
+    ids = {"bos_token_id": trainer.bos_id, "eos_token_id": trainer.eos_id, "pad_token_id": trainer.pad_id}
+    return {name: i for name, i in ids.items() if 0 <= i < len(pieces)}
+
+
 def _check_supported(model_path: str, trainer, normalizer) -> None:
     def bad(what: str):
         raise ConfigError(f"--tokenizer-model: {model_path}: {what} is not supported by the Hugging Face export")

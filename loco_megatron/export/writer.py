@@ -15,7 +15,7 @@ from loco_megatron.config import ConfigError
 from loco_megatron.export.hf_config import check_exportable, hf_config
 from loco_megatron.export.reader import (embedding_rows, load_model_tensors, read_run_config,
                                          resolve_iteration_dir, single_rank_config)
-from loco_megatron.export.tokenizer import read_pieces, write_tokenizer
+from loco_megatron.export.tokenizer import read_pieces, special_token_ids, write_tokenizer
 from loco_megatron.export.weights import to_hf
 
 INSTALL_HINT = "pip install safetensors==0.8.0 transformers==5.24.0 (or pip install -r requirements-test.txt)"
@@ -83,7 +83,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # --bf16 runs keep the torch norms' weights in fp32 next to bf16 linears: one dtype in the file.
     weights = {k: v.to(getattr(torch, dtype)) for k, v in to_hf(tensors, config, pieces).items()}
-    hf = hf_config(config, pieces, dtype)
+    hf = hf_config(config, pieces, dtype, special_token_ids(str(tok_path)))
 
     tmp = out_path.parent / f".{out_path.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -93,7 +93,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
 
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}
+        generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         write_tokenizer(str(tok_path), tmp, config.model.max_position_embeddings)
         check_out_dir(out_path)  # nobody created it meanwhile

@@ -29,6 +29,7 @@ from loco_megatron.platform import Platform, detect_platform, platform_context
 from loco_megatron.training.flops import throughput_for
 from loco_megatron.training.health import SkipGuard
 from loco_megatron.training.profiling import Profiler
+from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import startup_summary
 from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
@@ -190,8 +191,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                                  layout.dp_rank, layout.dp_size)
     state = TrainerState()
     guard = SkipGuard(t.max_skipped_consecutive)
+    schedule = ResumedSchedule(scheduler, config)  # after "optimizer": see its docstring
     stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
-                "scheduler": scheduler, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
+                "scheduler": schedule, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
                 "param_gather": param_sync}
     if resume is not None:
         ckpt.load(resume, stateful)
@@ -205,13 +207,15 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     if layout.is_logging_rank:
         print(startup_summary(config, layout, chunks, vocab), flush=True)
         print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)
+        if schedule.note:
+            print(schedule.note, flush=True)
     for timing in ckpt.take_timings():  # ckpt/load_s
         logger.log(state.iteration, timing)
 
     tokens_per_step = d.global_batch_size * config.model.seq_length
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
-              "grad_norm": 0.0, "skipped": 0, "comm": {}, "loco": None, "param": None}
+              "grad_norm": None, "skipped": 0, "comm": {}, "loco": None, "param": None}
     gathers_params = bool(config.loco.param_gather_bits)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, env.started_at)
     stop.discard_stale_file()
@@ -319,9 +323,10 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
     elapsed = time.perf_counter() - window["t0"]
     loss = _reduce_for_logging(window["loss"] / counted, layout)  # collective: every window
     metrics = {
-        # A window whose every step was skipped has no loss (not 0.0, which reads as converged).
+        # A window whose every step was skipped has no loss and no gradient norm (not 0.0,
+        # which reads as converged / vanished gradients): the keys are left out.
         **({"train/lm_loss": loss} if steps > window["skipped"] else {}),
-        "train/grad_norm": window["grad_norm"],
+        **({"train/grad_norm": window["grad_norm"]} if window["grad_norm"] is not None else {}),
         "train/lr": optimizer.param_groups[0]["lr"],
         "train/step_s": elapsed / steps,
         "train/tokens_per_s": tokens_per_step * steps / elapsed,
@@ -339,7 +344,7 @@ def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLa
             metrics.update(param_metrics(sums))
     logger.log(state.iteration, metrics, total_iters)
     window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None,
-                  param=None)
+                  param=None, grad_norm=None)
     return metrics
 
 
