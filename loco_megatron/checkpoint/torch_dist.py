@@ -209,8 +209,12 @@ def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
     if failures:
         rank, exc = sorted(failures.items())[0]
         exc = exc[0] if isinstance(exc, tuple) else exc  # (exception, traceback) when wrapped
-        where = pathlib.Path(exc.filename) if isinstance(exc, OSError) and exc.filename else folder
-        return f"writing {where} failed on rank {rank} ({files.cause(exc, folder)})"
+        if isinstance(exc, OSError) and exc.filename:
+            return f"writing {exc.filename} failed on rank {rank} ({files.cause(exc, folder)})"
+        # megatron's writer reports a worker's OSError as RuntimeError("Worker failure: <it>"),
+        # whose text (errno, reason and file) is all that survives the gather to rank 0.
+        text = str(exc).splitlines()[0].removeprefix("Worker failure: ") if str(exc) else type(exc).__name__
+        return f"writing {folder} failed on rank {rank}: {text}"
     if failures is not None:
         return ""
     return f"writing {folder} failed on rank {dist.get_rank()} ({files.cause(e, folder)})"
