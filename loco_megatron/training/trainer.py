@@ -242,6 +242,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                 if layout.is_logging_rank:
                     what = "saving at" if ckpt.save_root else "no --save, nothing saved; stopping at"
                     print(f"stop requested ({reason}): {what} iteration {state.iteration}", flush=True)
+                _print_rank0(layout, ckpt.finish_in_flight(agreed=True))  # every rank agreed to stop here
                 break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
