@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+from test_checkpoint import _Weights  # the stand-in model
 
 WORKER = REPO / "tests" / "ckpt_fault_worker.py"
 
@@ -203,21 +204,6 @@ def test_commit_fsyncs_files_folders_and_latest(fmt, tmp_path, monkeypatch, one_
     # `latest` is written durably only after the folder rename is durable.
     assert synced.index(root) < synced.index(root / "latest_checkpointed_iteration.txt.tmp")
     assert synced[-1] == root  # and its own rename is made durable
-
-
-class _Weights:
-    """A stand-in model: one sharded tensor."""
-
-    def __init__(self, value: float):
-        self.w = torch.full((2, 3), value)
-
-    def sharded_state_dict(self) -> dict:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        return {"model": {"w": ShardedTensor.from_rank_offsets("w", self.w, replica_id=0)}}
-
-    def load_sharded_state_dict(self, loaded: dict) -> None:
-        self.w.copy_(loaded["model"]["w"])
 
 
 def test_interrupted_resave_recovers_at_start(tmp_path, one_rank):
