@@ -221,7 +221,7 @@ def test_interrupted_resave_recovers_at_start(tmp_path, one_rank):
     (root / "iter_0000002.tmp").mkdir()  # the re-save's folder never renamed
 
     loader = Checkpointer(None, str(root), 0, {"world_size": 1}, log=lambda _: None)
-    path = loader.find_resume_dir(collective=True)
+    path = loader.find_resume_dir()
     assert path == root / "iter_0000002.old"
     assert "\n" not in loader.start_note and "iter_0000002.old is used" in loader.start_note, loader.start_note
     counter = _Counter(0.0)

@@ -251,13 +251,17 @@ class Checkpointer:
             try:
                 write_sidecar(tmp, self.rank, written())
             except OSError as e:
-                error = f"writing checksums into {tmp} failed ({cause(e, tmp)})"
+                error = f"writing checksums into {tmp} failed on rank {self.rank} ({cause(e, tmp)})"
         if not self._all_ok(not error):  # every rank's files are complete before the commit
             self._abandon(tmp, error)
         self.in_flight = None
+        error = ""
         if self.rank == 0:
-            commit(tmp, final, iteration)
-        dist.barrier()
+            try:
+                commit(tmp, final, iteration)
+            except OSError as e:  # e.g. the disk filled up between the shards and `latest`
+                error = f"--save: committing {final} failed on rank 0 ({cause(e, final.parent)})"
+        self._agree_or_raise(error)  # in place of a barrier: the others learn of rank 0's failure
         write_s = time.perf_counter() - t0
         if self.writer is None:
             self.timings.append({"ckpt/blocking_s": write_s, "ckpt/write_s": write_s, "ckpt/iteration": iteration})
