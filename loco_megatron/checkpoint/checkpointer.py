@@ -9,8 +9,11 @@ in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
 
 ``--ckpt-format torch_dist`` (the default; reshardable): see
 :mod:`loco_megatron.checkpoint.torch_dist`. ``--load`` reads either format, whichever the
-folder holds. A failed write (disk full, read-only mount) removes ``iter_N.tmp`` and ends
-the run with one line.
+folder holds. A failed write (disk full, read-only mount) on any rank, in the foreground or
+the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
+line naming the file and the rank: each rank catches its own failure, then all agree in
+one collective before any other, so no rank is left waiting in a collective the others
+skipped. A checkpoint counts as complete only once every writing rank's checksums exist.
 
 What is saved: every object registered in ``stateful`` (anything with
 ``state_dict``/``load_state_dict``: model chunks, optimizer, LR scheduler, the data
@@ -33,8 +36,8 @@ import torch.distributed as dist
 
 from loco_megatron.checkpoint import torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
-from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, iter_dir,
-                                           sha256, write_sidecar)
+from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
+                                           iter_dir, recover_latest, sha256, write_durably, write_sidecar)
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
 from loco_megatron.config import ConfigError
@@ -52,19 +55,27 @@ class Checkpointer:
         self.log = log
         """Prints one line (rank 0 only in training)."""
         self.writer = AsyncWriter() if async_save else None
+        self.in_flight: Optional[tuple[pathlib.Path, int]] = None
+        """--async-save: (iter_N.tmp, N) of the write handed to the background, until committed."""
         self.timings: list[dict] = []
         """ckpt/ metrics of saves finished since the last ``take_timings()``."""
         self.start_note = ""
         """One line for the console: resuming (from where, and why that one) or starting fresh."""
 
     # -- discovery / validation (before training starts) ------------------------------
-    def find_resume_dir(self) -> Optional[pathlib.Path]:
+    def find_resume_dir(self, collective: bool = False) -> Optional[pathlib.Path]:
         """The checkpoint ``--load`` resumes from, None to start fresh; ConfigError if bad.
 
         No ``latest`` file but committed ``iter_N`` folders (the file was lost, or the folder
         was copied without it): resume from the newest one, saying so, rather than start
         fresh and later overwrite them. ``iter_N`` folders only exist once every rank's
-        file was written, so the newest is complete.
+        file was written, so the newest is complete. ``latest`` naming a missing folder (a
+        crash while re-saving that iteration): ``iter_N.old``, else the newest complete one.
+
+        ``collective`` (after the process group exists): also check this rank's own file
+        (--ckpt-format torch) and agree on the outcome, so a bad file on one rank fails
+        every rank with the same line; without it (the pre-check before set-up, where a
+        lone rank's exit would leave the others waiting at start-up) they are skipped.
         """
         if self.load_root is None:
             self.start_note = "starting fresh (no --load)"
@@ -75,9 +86,13 @@ class Checkpointer:
             if not text.isdigit():
                 raise ConfigError(f"--load: {latest} does not hold an iteration number")
             path = iter_dir(self.load_root, int(text))
-            if not path.is_dir():
-                raise ConfigError(f"--load: {latest} names iteration {int(text)} but {path} does not exist")
             self.start_note = f"resuming from {path} ({LATEST})"
+            if not path.is_dir():
+                found = recover_latest(self.load_root, int(text))
+                if found is None:
+                    raise ConfigError(f"--load: {latest} names iteration {int(text)} but {path} does not exist")
+                path, why = found
+                self.start_note = f"resuming from {path}: {LATEST} names iteration {int(text)} but {why}"
         else:
             found = committed_checkpoints(self.load_root)
             if not found:
@@ -93,17 +108,24 @@ class Checkpointer:
                     raise ConfigError(f"--load: {path} holds a model of another shape (saved [layers, hidden, "
                                       f"vocab, experts] {saved.get('model')}, this run {self.layout_key.get('model')})")
             return path
-        file = path / f"rank_{self.rank:05d}.pt"
-        if not file.is_file():
-            raise ConfigError(f"--load: {path} has no file for rank {self.rank}")
-        if not zipfile.is_zipfile(file):  # torch.save's format; cheap check before any set-up
-            raise ConfigError(f"--load: {file} is not a readable checkpoint")
-        self._check_sidecar_layout(path)
+        if collective:
+            error = ""
+            file = path / f"rank_{self.rank:05d}.pt"
+            if not file.is_file():
+                error = f"--load: {path} has no file for rank {self.rank}"
+            elif not zipfile.is_zipfile(file):  # torch.save's format; cheap check before any set-up
+                error = f"--load: {file} is not a readable checkpoint (rank {self.rank})"
+            else:
+                try:
+                    self._check_sidecar_layout(path)
+                except ConfigError as e:
+                    error = str(e)
+            self._agree_or_raise(error)
         return path
 
     @staticmethod
     def iteration_of(path: Optional[pathlib.Path]) -> int:
-        return int(COMMITTED.fullmatch(path.name).group(1)) if path is not None else 0
+        return int(COMMITTED.match(path.name).group(1)) if path is not None else 0  # iter_N or iter_N.old
 
     def _check_sidecar_layout(self, path: pathlib.Path) -> None:
         """Refuse a layout mismatch from the small ``rank_R.json`` (before the model is built)."""
@@ -145,6 +167,14 @@ class Checkpointer:
                 f"this run starts from ({start}); they would be overwritten: resume with --load "
                 f"{self.save_root}, or move them away")
 
+    def _agree_or_raise(self, error: str) -> None:
+        """Collective: every rank raises the first (lowest rank's) error, or none does."""
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise ConfigError(first)
+
     # -- save ---------------------------------------------------------------------------
     def _all_ok(self, ok: bool) -> bool:
         """Collective: True when every rank's ``ok`` is (replaces a barrier)."""
@@ -177,17 +207,27 @@ class Checkpointer:
         sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
                                    is_loading=False, per_rank=True)
         try:
-            request = torch_dist.save(tmp, sd, async_save=self.writer is not None)
-        except Exception as e:  # noqa: BLE001 - DCP wraps OSErrors of any rank in its own exception
-            request, error = None, f"writing {tmp} failed ({cause(e, tmp)})"
+            request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
+        except torch_dist.SaveFailed as e:  # rank 0's common.pt: every rank raised it together
+            self._abandon(tmp, str(e))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            request, error = None, self._write_failure(e, tmp)
         if request is None:
             self._finish(tmp, final, iteration, t0, error, lambda: torch_dist.written_by(tmp, self.rank))
         else:
             request.add_finalize_fn(lambda: self._finish(tmp, final, iteration, t0, "",
                                                          lambda: torch_dist.written_by(tmp, self.rank)))
             self.writer.schedule(request)
+            self.in_flight = (tmp, iteration)
             self.timings.append({"ckpt/blocking_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
         return final
+
+    @staticmethod
+    def _write_failure(e: BaseException, tmp: pathlib.Path) -> str:
+        """This rank's line for a failed torch_dist write; never empty, as it is the failure flag."""
+        return torch_dist.describe_write_failure(e, tmp) or f"writing {tmp} failed (details on rank 0)"
 
     def _write_rank_file(self, tmp: pathlib.Path, iteration: int, stateful: dict) -> str:
         """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum)."""
@@ -196,11 +236,12 @@ class Checkpointer:
         part = tmp / f"rank_{self.rank:05d}.pt.part"
         try:
             torch.save(payload, part)
+            fsync(part)
             meta = {"iteration": iteration, "sha256": sha256(part), "layout": self.layout_key}
-            (tmp / f"rank_{self.rank:05d}.json").write_text(json.dumps(meta))
+            write_durably(tmp / f"rank_{self.rank:05d}.json", json.dumps(meta))
             os.replace(part, tmp / f"rank_{self.rank:05d}.pt")
-        except (OSError, RuntimeError) as e:
-            return f"writing {part} failed ({cause(e, tmp)})"
+        except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as a RuntimeError
+            return f"writing {part} failed on rank {self.rank} ({cause(e, tmp)})"
         return ""
 
     def _finish(self, tmp: pathlib.Path, final: pathlib.Path, iteration: int, t0: float, error: str,
@@ -210,12 +251,17 @@ class Checkpointer:
             try:
                 write_sidecar(tmp, self.rank, written())
             except OSError as e:
-                error = f"writing checksums into {tmp} failed ({cause(e, tmp)})"
+                error = f"writing checksums into {tmp} failed on rank {self.rank} ({cause(e, tmp)})"
         if not self._all_ok(not error):  # every rank's files are complete before the commit
             self._abandon(tmp, error)
+        self.in_flight = None
+        error = ""
         if self.rank == 0:
-            commit(tmp, final, iteration)
-        dist.barrier()
+            try:
+                commit(tmp, final, iteration)
+            except OSError as e:  # e.g. the disk filled up between the shards and `latest`
+                error = f"--save: committing {final} failed on rank 0 ({cause(e, final.parent)})"
+        self._agree_or_raise(error)  # in place of a barrier: the others learn of rank 0's failure
         write_s = time.perf_counter() - t0
         if self.writer is None:
             self.timings.append({"ckpt/blocking_s": write_s, "ckpt/write_s": write_s, "ckpt/iteration": iteration})
@@ -224,13 +270,48 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Collective: commit a background write that every rank finished (no wait)."""
-        if self.writer is not None:
-            self.writer.poll()
+        self._finalize(self.writer.poll if self.writer is not None else None)
 
     def wait(self) -> None:
         """Collective: wait for a background write and commit it (before a next save / exit)."""
-        if self.writer is not None:
-            self.writer.wait()
+        self._finalize(self.writer.wait if self.writer is not None else None)
+
+    def _finalize(self, step: Optional[Callable[[], None]]) -> None:
+        """A background write that failed (on any rank) raises DCP's CheckpointException on
+        every rank in megatron's finalization: turn it into the same agreed one-line
+        failure as a foreground write, with ``iter_N.tmp`` removed."""
+        if step is None or self.in_flight is None:
+            return
+        try:
+            step()
+        except ConfigError:  # _finish already agreed on a failure and abandoned the folder
+            self.in_flight = None
+            raise
+        except torch_dist.checkpoint_exception() as e:  # a BaseException, raised on every rank
+            tmp, _ = self.in_flight
+            self.in_flight = None
+            self._abandon(tmp, self._write_failure(e, tmp))
+
+    def finish_in_flight(self, agreed: bool) -> str:
+        """On the way out of an aborted run: the one line saying what became of an
+        in-flight --async-save ("" when there is none). ``agreed`` (every rank is leaving
+        at this same point, e.g. --max-skipped-consecutive or a stop request): finalize it,
+        a collective, so a fully written checkpoint is committed rather than lost. Else (an
+        error on this rank the others may not share) only wait for this rank's write to end:
+        no collective could complete, and ``iter_N.tmp`` stays uncommitted."""
+        if self.in_flight is None:
+            return ""
+        tmp, iteration = self.in_flight
+        if not agreed:
+            self.writer.wait_local()
+            self.in_flight = None
+            return (f"--async-save: waited for the in-flight save of iteration {iteration} on rank {self.rank}; "
+                    f"not committed ({tmp.name} is left for the next save to replace)")
+        try:
+            self.wait()
+        except ConfigError as e:
+            return f"--async-save: the in-flight save of iteration {iteration} failed: {e}"
+        return f"--async-save: finished and committed the in-flight save of iteration {iteration} before stopping"
 
     def take_timings(self) -> list[dict]:
         out, self.timings = self.timings, []
@@ -261,16 +342,22 @@ class Checkpointer:
         return iteration
 
     def _load_rank_file(self, path: pathlib.Path, stateful: dict) -> int:
+        """Collective: each rank checks and reads its own file, then all agree (as torch_dist
+        does), so a corrupt file on one rank fails every rank with the same line instead
+        of one rank's error racing the others' next collective."""
         file = path / f"rank_{self.rank:05d}.pt"
         meta = path / f"rank_{self.rank:05d}.json"
-        if meta.is_file():  # checkpoints written before checksums have none to verify
-            want = json.loads(meta.read_text()).get("sha256")
-            if want and sha256(file) != want:
-                raise ConfigError(f"--load: {file} does not match its checksum in {meta.name} (corrupt file)")
-        try:
-            payload = torch.load(file, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise ConfigError(f"--load: {file} is not a readable checkpoint ({str(e).splitlines()[0][:100]})") from None
+        error, payload = "", None
+        want = json.loads(meta.read_text()).get("sha256") if meta.is_file() else None  # older: no checksums
+        if want and sha256(file) != want:
+            error = f"--load: {file} does not match its checksum in {meta.name} (corrupt file, rank {self.rank})"
+        else:
+            try:
+                payload = torch.load(file, map_location="cpu", weights_only=False)
+            except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+                error = (f"--load: {file} is not a readable checkpoint on rank {self.rank} "
+                         f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})")
+        self._agree_or_raise(error)
         self._compare_layout(payload.get("layout", {}), path)
         for name, obj in stateful.items():
             if name not in payload:

@@ -3,6 +3,9 @@
 Both formats write ``SAVE/iter_N.tmp/``; once every rank's write succeeded rank 0
 renames it to ``iter_N`` and only then rewrites ``latest`` (write-to-temp + rename),
 so a crash at any point leaves the previous checkpoint as the one ``--load`` picks.
+Durability: every file is fsynced by the rank that wrote it before the ranks agree, and
+the commit fsyncs the folders and ``latest`` around each rename, so a power loss cannot
+leave a ``latest`` that names a folder whose files were still in the page cache.
 """
 
 from __future__ import annotations
@@ -50,22 +53,66 @@ def cause(e: BaseException, where: pathlib.Path) -> str:
     return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
 
 
+def fsync(path: pathlib.Path) -> None:
+    """Flush a file's (or a folder's entries') data to disk: any descriptor of it will do."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: pathlib.Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def commit(tmp: pathlib.Path, final: pathlib.Path, iteration: int) -> None:
-    """Rank 0, after every rank's write finished: ``iter_N.tmp`` -> ``iter_N``, then ``latest``."""
+    """Rank 0, after every rank's write finished: ``iter_N.tmp`` -> ``iter_N``, then ``latest``.
+
+    Saving an iteration that already exists moves the old folder to ``iter_N.old`` first;
+    a crash between the two renames leaves ``latest`` naming a missing ``iter_N``, which
+    :func:`recover_latest` resolves at the next start (``iter_N.old``, else the newest
+    complete checkpoint). A stale ``iter_N.old`` next to a present ``iter_N`` is from a
+    crash after the second rename: ``iter_N`` is complete, so the stale copy goes.
+    """
     old = final.with_name(final.name + ".old")
+    fsync(tmp)  # the entries of the files the ranks wrote (their data was fsynced by each writer)
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
+    fsync(final.parent)
     latest_tmp = final.parent / (LATEST + ".tmp")
-    latest_tmp.write_text(f"{iteration}\n")
+    write_durably(latest_tmp, f"{iteration}\n")
     os.replace(latest_tmp, final.parent / LATEST)
+    fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_latest(root: pathlib.Path, iteration: int) -> tuple[pathlib.Path, str] | None:
+    """``latest`` names ``iter_N`` but it is missing (a crash while re-saving iteration N):
+    (the folder to resume from, why), or None when nothing usable is left."""
+    final = iter_dir(root, iteration)
+    old = final.with_name(final.name + ".old")
+    if old.is_dir():
+        return old, f"{final.name} is missing (a re-save of it was interrupted), so {old.name} is used"
+    found = committed_checkpoints(root)
+    if found:
+        return found[-1][1], f"{final.name} is missing, so the newest complete checkpoint is used"
+    return None
+
+
 def write_sidecar(folder: pathlib.Path, rank: int, names: list[str]) -> None:
-    """Record the SHA-256 of the files ``rank`` wrote into ``folder`` (checked at load)."""
-    digests = {name: sha256(folder / name) for name in sorted(names)}
-    (folder / SIDECAR.format(rank=rank)).write_text(json.dumps(digests))
+    """Record the SHA-256 of the files ``rank`` wrote into ``folder`` (checked at load) and
+    fsync them: the sidecar exists only once this rank's files are on disk."""
+    digests = {}
+    for name in sorted(names):
+        digests[name] = sha256(folder / name)
+        fsync(folder / name)
+    write_durably(folder / SIDECAR.format(rank=rank), json.dumps(digests))
 
 
 def sidecar_entries(folder: pathlib.Path) -> list[tuple[str, str]]:
@@ -74,3 +121,10 @@ def sidecar_entries(folder: pathlib.Path) -> list[tuple[str, str]]:
     for side in sorted(folder.glob("sha256.rank_*.json")):
         out.extend(json.loads(side.read_text()).items())
     return sorted(out)
+
+
+def missing_sidecars(folder: pathlib.Path, writers: int) -> list[int]:
+    """The ranks among ``writers`` saving ranks whose sidecar is absent: every rank writes one
+    (maybe empty), so a missing one is a lost rank's files whose loss its checksums would
+    otherwise hide (a shard removed together with its sidecar passes the other checks)."""
+    return [r for r in range(writers) if not (folder / SIDECAR.format(rank=r)).is_file()]

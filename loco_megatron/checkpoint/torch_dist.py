@@ -95,12 +95,33 @@ def state_dict(stateful: dict, layout_key: dict, run_config: Optional[dict], ite
     return sd
 
 
+def _die_with_parent() -> None:
+    """Runs in megatron's writer Manager (a spawned server process) before it serves: ask
+    Linux to SIGKILL it when the rank that started it dies. Without this a ``kill -9`` of
+    the rank leaves the ~275 MB Manager (and, through it, multiprocessing's resource
+    tracker, which waits for its pipe to close) running under init forever."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: no orphan protection, the Manager still works
+    if os.getppid() == 1:  # the rank died before prctl took effect
+        os._exit(0)
+
+
 def _start_writer_manager_detached() -> None:
-    """megatron's torch_dist writer starts a multiprocessing Manager (a spawned server
-    process) at the first save. It inherits stdout/stderr: when a rank is SIGKILLed the
-    orphaned manager keeps the launcher's pipes open, and whatever waits for their end
-    (a supervisor, a restart test) hangs. Start it with /dev/null as stdout/stderr."""
+    """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
+    process) to collect write results; megatron starts it at the first save. Start it here
+    instead, (1) with /dev/null as stdout/stderr: it inherits them, and when a rank is
+    SIGKILLed the orphaned manager keeps the launcher's pipes open, so whatever waits for
+    their end (a supervisor, a restart test) hangs; (2) with :func:`_die_with_parent`, so
+    it does not outlive its rank."""
+    import multiprocessing as mp
     import sys
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -113,7 +134,9 @@ def _start_writer_manager_detached() -> None:
     try:
         os.dup2(null, 1)
         os.dup2(null, 2)
-        filesystem_async._get_write_results_queue()
+        manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's own choice of context
+        manager.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
@@ -121,14 +144,80 @@ def _start_writer_manager_detached() -> None:
             os.close(fd)
 
 
-def save(folder: pathlib.Path, sd: dict, async_save: bool):
+def checkpoint_exception() -> type:
+    """DCP's exception type: it derives from BaseException, so ``except Exception`` misses it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+class SaveFailed(Exception):
+    """A write failed on some rank and every rank knows it; the message is the one line."""
+
+
+def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.device):
     """Write ``sd`` into ``folder``; with ``async_save`` returns megatron's AsyncRequest
-    (the write runs once scheduled; its finalize functions complete the metadata)."""
-    from megatron.core import dist_checkpointing
+    (the write runs once scheduled; its finalize functions complete the metadata).
+
+    megatron's ``dist_checkpointing.save``, step by step, with one agreement added: there
+    rank 0 writes ``common.pt`` alone and then joins the shard write's collectives, so a
+    failure of that write (disk full on rank 0) left rank 0 waiting in the caller's error
+    agreement while the others waited in the shard write: a hang until the distributed
+    timeout. Here every rank learns of it (one all-reduce on ``flag_device``) before any
+    shard is written, and all raise :class:`SaveFailed` together.
+    """
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.serialization import (get_default_save_common_strategy,
+                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     _start_writer_manager_detached()
-    return dist_checkpointing.save(sd, str(folder), async_sharded_save=async_save,
-                                   preprocess_common_before_consistancy_check=_without_clock)
+    sharded_strategy = get_default_save_sharded_strategy()
+    common_strategy = get_default_save_common_strategy()
+    sharded_sd, common_sd = save_preprocess(sd, True, _without_clock)
+    error = ""
+    try:
+        common_strategy.save_common(common_sd, str(folder))  # writes on rank 0 only
+        if dist.get_rank() == 0:
+            files.fsync(folder / "common.pt")
+    except Exception as e:  # noqa: BLE001 - any failure of this rank-0 write is reported the same way
+        error = f"writing {folder / 'common.pt'} failed on rank 0 ({files.cause(e, folder)})"
+    flag = torch.tensor([1.0 if error else 0.0], device=flag_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise SaveFailed(error or f"writing {folder / 'common.pt'} failed on rank 0")
+
+    def metadata_finalize_fn():
+        if dist.get_rank() == 0:
+            save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version), str(folder))
+        dist.barrier()
+
+    if not async_save:
+        sharded_strategy.save(sharded_sd, str(folder))
+        metadata_finalize_fn()
+        return None
+    request = sharded_strategy.async_save(sharded_sd, str(folder))
+    request.finalize_fns.append(metadata_finalize_fn)
+    return request
+
+
+def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
+    """One line for a failed shard write. DCP's CheckpointException (a BaseException, so
+    ``except Exception`` misses it) carries {rank: exception} on the coordinator only; the
+    other ranks get an empty one ("" here) and the caller's agreement picks rank 0's line."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, exc = sorted(failures.items())[0]
+        exc = exc[0] if isinstance(exc, tuple) else exc  # (exception, traceback) when wrapped
+        if isinstance(exc, OSError) and exc.filename:
+            return f"writing {exc.filename} failed on rank {rank} ({files.cause(exc, folder)})"
+        # megatron's writer reports a worker's OSError as RuntimeError("Worker failure: <it>"),
+        # whose text (errno, reason and file) is all that survives the gather to rank 0.
+        text = str(exc).splitlines()[0].removeprefix("Worker failure: ") if str(exc) else type(exc).__name__
+        return f"writing {folder} failed on rank {rank}: {text}"
+    if failures is not None:
+        return ""
+    return f"writing {folder} failed on rank {dist.get_rank()} ({files.cause(e, folder)})"
 
 
 def _without_clock(common: dict) -> dict:
@@ -146,11 +235,23 @@ def written_by(folder: pathlib.Path, rank: int) -> list[str]:
 
 
 def verify(folder: pathlib.Path, rank: int, world: int) -> None:
-    """Collective: ranks split the recorded checksums, then all raise the first mismatch."""
+    """Collective: ranks split the recorded checksums, then all raise the first mismatch.
+    Every rank that wrote the checkpoint (the saved world size) must have left its
+    sidecar: a shard deleted with its sidecar would otherwise pass, and fail in DCP."""
     entries = files.sidecar_entries(folder)
     error = ""
     if not entries:
         error = f"--load: {folder} has no sha256.rank_*.json (an incomplete copy?)"
+    else:
+        try:
+            writers = int(saved_common(folder).get("layout", {}).get("world_size", 0))
+        except ConfigError as e:  # reported after the agreement below, like any other finding
+            error, writers = str(e), 0
+        missing = files.missing_sidecars(folder, writers)
+        if missing:
+            side = folder / files.SIDECAR.format(rank=missing[0])
+            error = (f"--load: {side} is missing: the files of rank {missing[0]} (of the {writers} that saved) "
+                     f"cannot be checked (an incomplete copy?)")
     for i, (name, want) in enumerate(entries):
         if i % world == rank and not error:
             path = folder / name
@@ -180,7 +281,7 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same)
     try:
         loaded = dist_checkpointing.load(request, str(folder))
-    except Exception as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
+    except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
         raise ConfigError(f"--load: {folder} could not be loaded "
                           f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
     stateful["model"].load_sharded_state_dict(loaded)

@@ -27,7 +27,7 @@ from loco_megatron.model import build_model, padded_vocab_size
 from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
 from loco_megatron.training.flops import throughput_for
-from loco_megatron.training.health import SkipGuard
+from loco_megatron.training.health import RunAborted, SkipGuard
 from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
@@ -171,7 +171,8 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     cc = config.checkpoint
     ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
                         dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
-    resume = ckpt.find_resume_dir()  # another model shape (torch format: layout) is refused before the build
+    # Another model shape (torch format: layout, or a bad rank file) is refused before the build.
+    resume = ckpt.find_resume_dir(collective=True)
     chunks = build_model(config, vocab, device)
     optimizer = build_optimizer(config, chunks)
     scheduler = build_scheduler(config, optimizer)
@@ -246,7 +247,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             ckpt.poll()  # commits a finished background write (--async-save)
             if ckpt.save_root and config.checkpoint.save_interval and \
                     state.iteration % config.checkpoint.save_interval == 0:
-                _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
+                _save(ckpt, state, stateful, chunks, config, window, comm_stats, device, resume, layout)
             for timing in ckpt.take_timings():
                 logger.log(state.iteration, timing)
             reason = stop.agreed(device)
@@ -254,18 +255,32 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                 if layout.is_logging_rank:
                     what = "saving at" if ckpt.save_root else "no --save, nothing saved; stopping at"
                     print(f"stop requested ({reason}): {what} iteration {state.iteration}", flush=True)
+                _print_rank0(layout, ckpt.finish_in_flight(agreed=True))  # every rank agreed to stop here
                 break
         if ckpt.save_root and not (config.checkpoint.save_interval
                                    and state.iteration % config.checkpoint.save_interval == 0):
-            _save(ckpt, state, stateful, chunks, config, window, comm_stats, device)
+            _save(ckpt, state, stateful, chunks, config, window, comm_stats, device, resume, layout)
         ckpt.wait()  # the last (or stop-requested) save is committed before exit
         for timing in ckpt.take_timings():
             logger.log(state.iteration, timing)
+    except RunAborted:  # every rank raises it at the same step: the in-flight save can be finalized
+        _print_rank0(layout, ckpt.finish_in_flight(agreed=True))
+        raise
+    except BaseException:  # maybe on this rank only: no collective, but let the background write end
+        note = ckpt.finish_in_flight(agreed=False)
+        if note:
+            print(note, flush=True)
+        raise
     finally:
         stop.restore()
         profiler.close()
         logger.close()
     return last
+
+
+def _print_rank0(layout: ParallelLayout, line: str) -> None:
+    if line and layout.is_logging_rank:
+        print(line, flush=True)
 
 
 def _rank0_print(is_logging_rank: bool) -> Callable[[str], None]:
@@ -283,7 +298,14 @@ def _loco_memory_line(mem: dict) -> str:
 
 
 def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config,
-          window: dict, comm_stats: CommStats, device) -> None:
+          window: dict, comm_stats: CommStats, device, resume, layout: ParallelLayout) -> None:
+    if resume is None and stateful["health"].last_good == 0:
+        # Every step so far was skipped (found-inf, agreed by all ranks), so the optimizer has
+        # no moments yet and its state cannot be written (KeyError 'exp_avg' / 'step'); the
+        # run may still recover, so skip this save rather than end it.
+        _print_rank0(layout, f"checkpoint: iteration {state.iteration} not saved: no optimizer step has "
+                             f"succeeded yet (every step skipped for NaN/Inf), so there is no optimizer state")
+        return
     if config.parallel.overlap_param_gather:
         # The all-gather of the updated params is deferred to the next forward; finish it
         # now so the saved model weights are the ones the optimizer just produced.

@@ -1,0 +1,280 @@
+"""Checkpoint failures on a real 2-rank gloo group: a failed write or a bad file ends every
+rank with the same one line (file and rank), without a hang, with ``iter_N.tmp`` removed
+and the previous checkpoint loadable; durable commits; recovery from an interrupted re-save;
+aborts that finish an in-flight --async-save; no orphaned writer processes."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+from test_checkpoint import _Weights  # the stand-in model
+
+WORKER = REPO / "tests" / "ckpt_fault_worker.py"
+
+
+def _launch(args: list[str], **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # Own session: on a hang the test kills the whole tree instead of blocking.
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def _communicate(proc: subprocess.Popen, timeout: int) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        pytest.fail(f"hung (killed after {timeout}s):\n{out[-3000:]}")
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children, ...)."""
+    parents = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - out
+        out |= frontier
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _descendants(pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _per_rank(out: str, tag: str) -> dict[int, str]:
+    found = {}
+    for line in out.splitlines():
+        for chunk in line.split(f"{tag} rank=")[1:]:  # two ranks' lines can share a console line
+            rank, _, rest = chunk.partition(" ")
+            found[int(rank)] = rest.split(" LEFT rank=")[0].split(" ERROR rank=")[0].strip()
+    return found
+
+
+@pytest.mark.parametrize("scenario,expected", [
+    ("shard", ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"]),
+    ("common", ["iter_0000002.tmp/common.pt failed on rank 0", "no space left on device"]),
+    ("async", ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"]),
+    ("missing", ["iter_0000001/sha256.rank_00001.json is missing", "rank 1"]),
+    ("torch_corrupt", ["iter_0000001/rank_00001.pt does not match its checksum", "rank 1"]),
+])
+def test_checkpoint_failure_ends_every_rank_with_one_line(scenario, expected, tmp_path):
+    """Guards against checkpoint failures that hang or end in tracebacks (issue 21):
+    shard: one rank's torch_dist shard write failing raised DCP's CheckpointException, a
+    BaseException that ``except Exception`` missed: tracebacks on every rank, iter_N.tmp left;
+    common: rank 0's common.pt write failing left rank 0 in the error agreement while the others
+    were in the shard write's collectives: a hang until the distributed timeout;
+    async: a failed background write escaped the commit as a traceback, iter_N.tmp left;
+    missing: a shard deleted with its sha256.rank_N.json passed the integrity check and ended in
+    a FileNotFoundError traceback (nothing checked every writing rank left its checksums);
+    torch_corrupt: --ckpt-format torch checked corruption per rank, so only the corrupt rank
+    raised and the other one died in its next collective.
+    Now every rank ends with the same line naming the file and the rank, no traceback, only
+    the previous checkpoint is left and it loads."""
+    root = tmp_path / "ck"
+    out = _communicate(_launch([str(WORKER), scenario, str(root)]), timeout=300)
+    errors = _per_rank(out, "ERROR")
+    assert sorted(errors) == [0, 1], out[-3000:]
+    assert errors[0] == errors[1], errors
+    assert "\n" not in errors[0] and all(fragment.lower() in errors[0].lower() for fragment in expected), errors[0]
+    assert "Traceback" not in out, out[-3000:]
+    assert set(_per_rank(out, "LEFT").values()) == {"['iter_0000001', 'latest_checkpointed_iteration.txt']"}, out
+    if scenario in ("shard", "common", "async"):
+        assert errors[0].startswith("--save: ") and "removed iter_0000002.tmp, iter_0000001 is the latest" in errors[0]
+        assert _per_rank(out, "LOADED") == {0: "[1.0]", 1: "[1.0]"}, out[-3000:]
+
+
+def test_no_writer_process_outlives_a_killed_rank(tmp_path):
+    """Guards against megatron's torch_dist writer Manager (a ~275 MB spawned server) and
+    multiprocessing's resource tracker staying alive under init forever after ``kill -9``
+    of a rank that had written a checkpoint: every process started below the ranks is gone
+    once the job has ended."""
+    import re
+
+    proc = _launch([str(WORKER), "idle", str(tmp_path / "ck")])
+    seen, below, left = "", set(), set()
+    try:
+        while seen.count("SAVED rank=") < 2:
+            line = proc.stdout.readline()
+            assert line, seen[-3000:]
+            seen += line
+        ranks = {int(pid) for pid in re.findall(r"SAVED rank=\d+ pid=(\d+)", seen)}
+        below = set().union(*(_descendants(pid) for pid in ranks))
+        assert len(below) >= 2, below  # each rank's writer Manager (and the resource tracker) runs
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+        left = {pid for pid in below if _alive(pid)}
+        deadline = time.monotonic() + 60  # a bound for the kernel's parent-death signals, not a measurement
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = {pid for pid in left if _alive(pid)}
+        assert not left, {pid: pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()[:100] for pid in left}
+    finally:
+        _kill_tree(proc.pid)
+        for pid in below:  # orphans were re-parented away from the tree: kill them by pid
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class _Counter:
+    def __init__(self, value: float):
+        self.n = torch.full((3,), value)
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo group (the checkpoint code is collective) on a CPU 'device'."""
+    import torch.distributed as dist
+
+    from loco_megatron.platform import detect_platform, platform_context
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with platform_context(detect_platform(0)):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_commit_fsyncs_files_folders_and_latest(fmt, tmp_path, monkeypatch, one_rank):
+    """Guards against commits that are not durable: nothing was fsynced (shards, checksum
+    files, the folder, ``latest``), so a power loss after the commit could leave ``latest``
+    naming a folder whose files never reached the disk."""
+    from loco_megatron.checkpoint import Checkpointer
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(pathlib.Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = tmp_path / "ck"
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
+    stateful = {"model": _Weights(1.0)} if fmt == "torch_dist" else {"c": _Counter(1.0)}
+    Checkpointer(str(root), None, 0, layout, ckpt_format=fmt).save(1, stateful)
+    final = root / "iter_0000001"
+    tmp = root / "iter_0000001.tmp"
+    # Files are fsynced where they were written (in iter_N.tmp), before the rename.
+    written = {tmp / p.name for p in final.iterdir()}
+    as_named = {q.with_name(q.name.removesuffix(".part")) for q in synced}  # torch: written as .part, renamed
+    assert written <= as_named, sorted(written - as_named)
+    assert tmp in synced and root in synced  # the entries of both folders
+    assert root / "latest_checkpointed_iteration.txt.tmp" in synced
+    # `latest` is written durably only after the folder rename is durable.
+    assert synced.index(root) < synced.index(root / "latest_checkpointed_iteration.txt.tmp")
+    assert synced[-1] == root  # and its own rename is made durable
+
+
+def test_interrupted_resave_recovers_at_start(tmp_path, one_rank):
+    """Guards against a crash between ``final.rename(old)`` and ``tmp.rename(final)`` while
+    re-saving an iteration: ``latest`` then named a missing folder and start-up failed
+    instead of using ``iter_N.old`` (or, without it, the newest complete checkpoint); and
+    against the next save of that iteration failing on the leftover ``iter_N.old``."""
+    from loco_megatron.checkpoint import Checkpointer
+
+    root = tmp_path / "ck"
+    saver = Checkpointer(str(root), str(root), 0, {"world_size": 1})
+    saver.save(1, {"c": _Counter(1.0)})
+    saver.save(2, {"c": _Counter(2.0)})
+    (root / "iter_0000002").rename(root / "iter_0000002.old")  # the crash: first rename done,
+    (root / "iter_0000002.tmp").mkdir()  # the re-save's folder never renamed
+
+    loader = Checkpointer(None, str(root), 0, {"world_size": 1}, log=lambda _: None)
+    path = loader.find_resume_dir()
+    assert path == root / "iter_0000002.old"
+    assert "\n" not in loader.start_note and "iter_0000002.old is used" in loader.start_note, loader.start_note
+    counter = _Counter(0.0)
+    assert loader.load(path, {"c": counter}) == 2 and torch.all(counter.n == 2.0)
+    assert Checkpointer.iteration_of(path) == 2
+
+    saver.save(2, {"c": _Counter(3.0)})  # the resumed run saves iteration 2 again
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+    (root / "iter_0000002").rename(root / "elsewhere")  # no .old either: the previous complete one
+    path = loader.find_resume_dir()
+    assert path == root / "iter_0000001" and "newest complete checkpoint" in loader.start_note
+
+
+def _train(args: list[str], cache: str, tmp_path: pathlib.Path, name: str) -> tuple[int, str, list[dict]]:
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd, env = torchrun_command(2, args, cache, metrics)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = _communicate(proc, timeout=600)
+    return proc.returncode, out, read_metrics(metrics)
+
+
+def test_abort_finishes_the_in_flight_async_save(cache_dir, tmp_path):
+    """Guards against --async-save losing a fully written checkpoint when the run aborts:
+    --max-skipped-consecutive raised before ``ckpt.poll()`` and nothing waited for the
+    write, so iter_N.tmp (every shard present) was never committed and a restart began
+    from scratch. Now the abort finalizes the write first and says so."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "10", "--save", str(ck), "--save-interval", "2", "--async-save",
+                   "--inject-nan", "3-:1", "--max-skipped-consecutive", "1"]
+    rc, out, _ = _train(args, cache_dir, tmp_path, "abort")
+    assert rc != 0 and "--max-skipped-consecutive: 1 consecutive steps skipped" in out, out[-3000:]
+    assert "--async-save: finished and committed the in-flight save of iteration 2 before stopping" in out, out[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_save_before_the_first_optimizer_step_is_skipped(fmt, cache_dir, tmp_path):
+    """Guards against a save before the first successful optimizer step crashing a run that
+    would have recovered (``--inject-nan 1-2:0 --save-interval 2``: KeyError 'exp_avg' with
+    torch_dist, KeyError 'step' with torch, iter_N.tmp left): that save is skipped with one
+    line, the run goes on, and its later checkpoint resumes."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--train-iters", "4", "--lr-decay-iters", "6", "--save", str(ck), "--save-interval", "2",
+                   "--inject-nan", "1-2:0", "--ckpt-format", fmt]
+    rc, out, metrics = _train(args, cache_dir, tmp_path, "nan")
+    assert rc == 0, out[-3000:]
+    assert out.count("checkpoint: iteration 2 not saved: no optimizer step has succeeded yet") == 1, out[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(train_losses(metrics)) == [3, 4]  # 1 and 2 were skipped
+    rc, out, resumed = _train(args[:-4] + ["--ckpt-format", fmt, "--train-iters", "6", "--load", str(ck)],
+                              cache_dir, tmp_path, "resumed")
+    assert rc == 0 and f"resuming from {ck / 'iter_0000004'}" in out, out[-3000:]
+    assert sorted(train_losses(resumed)) == [5, 6]
