@@ -14,7 +14,9 @@
   ``param``: gathered parameter buffers of more than one rank.
 """
 
+import json
 import os
+import pathlib
 import sys
 import warnings
 
@@ -27,6 +29,7 @@ from loco_megatron.loco import param_gather
 from loco_megatron.loco.collectives import CollectiveOps
 from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
 from loco_megatron.training.trainer import train
+from param_identity import identical_across  # tests/ is this script's folder
 
 
 def _say(line: str) -> None:
@@ -34,17 +37,9 @@ def _say(line: str) -> None:
     os.write(1, (line + "\n").encode())  # one write() per line: ranks never interleave mid-line
 
 
-def _identical(params: list, group) -> bool:
-    if not params:
-        return True
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, flat, group=group)
-    return all(torch.equal(e, flat) and torch.isfinite(e).all() for e in everyone)
-
-
 def _nbytes(t) -> int:
-    return sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
+    tensors = t if isinstance(t, (list, tuple)) else [t]
+    return sum(x.numel() * x.element_size() for x in tensors)
 
 
 class Wire:
@@ -110,20 +105,49 @@ def _install_recorders(wire: Wire) -> CollectiveOps:
 
 
 def main() -> int:
+    """``MATRIX_RUNS``: JSON ``[[tag, extra args], ...]``, runs one after another in these
+    processes (each after the common ``argv``); ``MATRIX_RESUME_AT``: the iteration a run
+    with ``--load`` resumes from."""
     warnings.filterwarnings("ignore")
-    config, env = main_config(sys.argv[1:])
     wire = Wire()
     ops = _install_recorders(wire)
+    for tag, extra in json.loads(os.environ["MATRIX_RUNS"]):
+        # Later runs reuse the processes (the earlier run left no process group or megatron
+        # parallel state behind): each start-up saved is most of a run's cost on CPU.
+        if int(os.environ.get("RANK", "0")) == 0:
+            _say(f"=== run {tag} ===")
+        code = run(sys.argv[1:] + extra, tag, wire, ops)
+        if code:
+            return code
+    return 0
+
+
+def _resume_at(load: str) -> None:
+    """Point ``load``'s latest file at MATRIX_RESUME_AT. Every rank writes the same bytes
+    and renames them into place before reading it: no rank can read another value."""
+    at = os.environ.get("MATRIX_RESUME_AT")
+    if at:
+        latest = pathlib.Path(load) / "latest_checkpointed_iteration.txt"
+        tmp = latest.with_name(f"{latest.name}.rank{os.environ.get('RANK', '0')}")
+        tmp.write_text(f"{at}\n")
+        os.replace(tmp, latest)
+
+
+def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
+    config, env = main_config(argv)
+    if config.checkpoint.load:
+        _resume_at(config.checkpoint.load)
+    wire.take()  # nothing of an earlier run (its final save's gather) counts here
     hooks: dict = {}  # the grad hook (its iteration) and the model chunks, once built
 
     def check(iteration: int) -> None:
         from megatron.core import parallel_state as ps
 
         params = [p for c in hooks["chunks"] for p in c.parameters()]
-        dense = _identical([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
-        expert = _identical([p for p in params if not getattr(p, "allreduce", True)],
+        dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
+        expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
                             ps.get_expert_data_parallel_group())
-        _say(f"IDENTICAL rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert}")
+        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert}")
 
     def param_sync_factory(chunks, optimizer, loco, stats):
         hooks["chunks"] = chunks
@@ -138,7 +162,7 @@ def main() -> int:
             comm, sums = take()
             it = hooks["grad"].iteration + 1
             grad_in, grad_out, param = wire.take()
-            _say(f"WIRE rank={dist.get_rank()} iter={it} grad_in={grad_in} grad_out={grad_out} param={param} "
+            _say(f"WIRE run={tag} rank={dist.get_rank()} iter={it} grad_in={grad_in} grad_out={grad_out} param={param} "
                  f"grad_metric={int(comm['comm/grad_bytes_sent'])} "
                  f"grad_split={int(comm['comm/grad_bytes_sent_intra'] + comm['comm/grad_bytes_sent_inter'])} "
                  f"param_metric={int(comm['comm/param_bytes_sent'])}")

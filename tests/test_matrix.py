@@ -13,6 +13,7 @@ with one line instead); the bytes metrics equal to what the collectives were han
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -114,33 +115,45 @@ def test_generator_on_a_small_space():
     assert len(coverable_pairs(factors, ok)) == 11
 
 
-def _run(nproc: int, args: list[str], cache: str, tmp_path, name: str, flags: str):
-    metrics = tmp_path / f"{name}.jsonl"
-    cmd, env = torchrun_command(nproc, args, cache, metrics, script="tests/matrix_run.py")
+def _run(nproc: int, args: list[str], cache: str, tmp_path, runs: list[tuple[str, list[str]]]):
+    """One torchrun of tests/matrix_run.py doing ``runs`` ((name, extra args), ...) one
+    after another in the same processes (a run with --load resumes from iteration 2).
+    Returns the process and {name: (that run's tagged stdout, its metrics)}."""
+    cmd, env = torchrun_command(nproc, args, cache, tmp_path / "unused.jsonl", script="tests/matrix_run.py")
+    env["MATRIX_RUNS"] = json.dumps([[name, [*extra, "--metrics-jsonl", str(tmp_path / f"{name}.jsonl")]]
+                                     for name, extra in runs])
+    env["MATRIX_RESUME_AT"] = "2"
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return proc, read_metrics(metrics)
+    console = dict(re.findall(r"=== run (\w+) ===\n(.*?)(?==== run |\Z)", proc.stdout, re.S))
+    out = {}
+    for name, _ in runs:
+        mine = [line.replace(f" run={name}", "") for line in proc.stdout.splitlines() if f" run={name} " in line]
+        rank0 = [line for line in console.get(name, "").splitlines() if " run=" not in line]
+        out[name] = ("\n".join(mine + rank0) + "\n", read_metrics(tmp_path / f"{name}.jsonl"))
+    return proc, out
 
 
 def _ok(proc, flags: str, name: str) -> None:
-    assert proc.returncode == 0, (f"[{flags}] {name} run failed with {proc.returncode}:\n"
-                                  + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    # The workers' own error lines: what torchrun's summary of the failure precedes.
+    workers = proc.stderr.split("torch.distributed.elastic")[0].splitlines()
+    errors = [line for line in workers if "Error" in line or "error:" in line]
+    assert proc.returncode == 0, (f"[{flags}] {name} run failed with {proc.returncode}: {errors[-1:]}\n"
+                                  + "\n".join(proc.stdout.splitlines()[-8:] + workers[-20:]))
 
 
-def _check_run(proc, metrics: list, nproc: int, start: int, two_hop: bool, flags: str, name: str) -> None:
+def _check_run(out: str, metrics: list, nproc: int, start: int, two_hop: bool, where: str) -> None:
     """Identical parameters after every step (and as loaded), and bytes metrics = the
-    collectives' bytes, in a run of steps ``start+1 .. 4``."""
-    where = f"[{flags}] {name}"
+    collectives' bytes, in a run of steps ``start+1 .. 4`` (``out``: its tagged stdout)."""
     iters = list(range(max(start, 1), 5))
-    checks = re.findall(r"IDENTICAL rank=(\d+) iter=(\d+) dense=(\w+) expert=(\w+)", proc.stdout)
+    checks = re.findall(r"IDENTICAL rank=(\d+) iter=(\d+) dense=(\w+) expert=(\w+)", out)
     assert sorted({(int(r), int(i)) for r, i, _, _ in checks}) == [(r, i) for r in range(nproc) for i in iters], \
         (where, checks)
     bad = [c for c in checks if "False" in c]
     assert not bad, f"{where}: parameters differ across data-parallel ranks (rank, iter, dense, expert): {bad}"
-    wire = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
+    wire = [{k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])} for line in out.splitlines()
             if line.startswith("WIRE ")]
     assert len(wire) == nproc * (4 - start), (where, len(wire))
     for w in wire:
-        w = {k: int(v) for k, v in w.items()}
         assert w["grad_split"] == w["grad_out"], f"{where}: grad_bytes_sent_intra+inter vs wire to other ranks: {w}"
         if not two_hop:  # flat: every row handed over counts (two-hop: only rows for other ranks)
             assert w["grad_metric"] == w["grad_in"], f"{where}: grad_bytes_sent vs bytes handed to collectives: {w}"
@@ -148,11 +161,11 @@ def _check_run(proc, metrics: list, nproc: int, start: int, two_hop: bool, flags
             assert w["grad_metric"] == w["grad_out"], f"{where}: two-hop grad_bytes_sent vs wire: {w}"
         assert w["param_metric"] == w["param"], f"{where}: param_bytes_sent vs gathered bytes: {w}"
     logged = {m["iteration"]: m for m in metrics if "comm/grad_bytes_sent" in m}
-    for it in range(start + 1, 5):
-        mine = [w for w in wire if int(w["iter"]) == it]
+    for it in range(start + 1, 5):  # the logged figures: means over ranks of the same
+        mine = [w for w in wire if w["iter"] == it]
         for key, metric in (("grad_metric", "comm/grad_bytes_sent"), ("param_metric", "comm/param_bytes_sent")):
-            mean = sum(int(w[key]) for w in mine) / nproc
-            assert logged[it][metric] == pytest.approx(mean, rel=1e-12), (where, it, metric)
+            assert logged[it][metric] == pytest.approx(sum(w[key] for w in mine) / nproc, rel=1e-12), \
+                (where, it, metric)
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[cell_id(c) for c in CELLS])
@@ -166,41 +179,44 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
     n, args = world_size(cell), cell_args(cell)
     two_hop = cell["hierarchical"]  # always 4 ranks, 2 per node
     ck = tmp_path / "ck"
-    proc, ref = _run(n, args + ["--save", str(ck), "--save-interval", "2"], cache_dir, tmp_path, "ref", flags)
-    _ok(proc, flags, "uninterrupted")
-    _check_run(proc, ref, n, 0, two_hop, flags, "uninterrupted")
+    by_bucket = cell["other_layout"] == "bucket"
+    # The resumes at the same world size run in the processes of the uninterrupted run.
+    runs = [("ref", ["--save", str(ck), "--save-interval", "2"]), ("same", ["--load", str(ck)])]
+    runs += [("other", ["--load", str(ck), "--ddp-bucket-size", OTHER_BUCKET])] if by_bucket else []
+    proc, got = _run(n, args, cache_dir, tmp_path, runs)
+    _ok(proc, flags, " + ".join(name for name, _ in runs))
+    out, ref = got["ref"]
+    _check_run(out, ref, n, 0, two_hop, f"[{flags}] uninterrupted")
     a = train_losses(ref)
-    (ck / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
-
-    proc, same = _run(n, args + ["--load", str(ck)], cache_dir, tmp_path, "same", flags)
-    _ok(proc, flags, "same-layout resume")
-    _check_run(proc, same, n, 2, two_hop, flags, "same-layout resume")
+    out, same = got["same"]
+    _check_run(out, same, n, 2, two_hop, f"[{flags}] same-layout resume")
     b = train_losses(same)
     assert b == {3: a[3], 4: a[4]}, f"[{flags}] same-layout resume not bit-exact: {a} vs {b}"
-    assert not [line for line in proc.stdout.splitlines() if RESET.search(line)], f"[{flags}] {proc.stdout[-1500:]}"
+    assert not [line for line in out.splitlines() if RESET.search(line)], f"[{flags}] {out[-1500:]}"
 
-    if cell["other_layout"] == "bucket":
-        other_n, other_args = n, args + ["--ddp-bucket-size", OTHER_BUCKET]
+    if by_bucket:
+        other_n, (out, other) = n, got["other"]
     else:
-        other_n, other_args = (2 if n == 4 else 4), args
-    proc, other = _run(other_n, other_args + ["--load", str(ck)], cache_dir, tmp_path, "other", flags)
-    if cell["ckpt_format"] == "torch" and other_n != n:  # one file per rank: only the same layout loads
-        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-        assert proc.returncode == 2 and len(errors) == 1 and "different model/parallel layout" in errors[0] \
-            and "Traceback" not in proc.stderr, f"[{flags}] torch format at DP {other_n}: {proc.stderr[-1500:]}"
-        return
-    _ok(proc, flags, f"other-layout ({cell['other_layout']}) resume")
-    _check_run(proc, other, other_n, 2, two_hop and other_n == n, flags, f"other-layout ({cell['other_layout']}) resume")
+        other_n = 2 if n == 4 else 4
+        proc, got = _run(other_n, args, cache_dir, tmp_path, [("other", ["--load", str(ck)])])
+        out, other = got["other"]
+        if cell["ckpt_format"] == "torch":  # one file per rank: only the same layout loads
+            workers = proc.stderr.split("torch.distributed.elastic")[0]
+            errors = {line for line in workers.splitlines() if "error:" in line}  # the same line from each rank
+            assert proc.returncode != 0 and len(errors) == 1 and "different model/parallel layout" in errors.pop() \
+                and "Traceback" not in workers, f"[{flags}] torch format on {other_n} ranks: {workers[-1500:]}"
+            return
+        _ok(proc, flags, f"resume on {other_n} ranks")
+    where = f"[{flags}] resume at another layout ({cell['other_layout']})"
+    _check_run(out, other, other_n, 2, two_hop and by_bucket, where)
     c = train_losses(other)
     assert sorted(c) == [3, 4] and c[3] == pytest.approx(a[3], rel=RESUME_RTOL), \
-        f"[{flags}] other-layout resume does not continue the run: {a} vs {c}"
-    announced = [line for line in proc.stdout.splitlines() if RESET.search(line)]
-    resharded = other_n != n
-    reset_loco = cell["loco_bits"] > 0
-    reset_pgb = cell["param_gather_bits"] > 0
-    if resharded:  # one line for RNG, LoCo and --param-gather-bits state together
-        assert len(announced) == 1 and "RNG re-seeded" in announced[0], f"[{flags}] {announced}"
+        f"{where} does not continue the run: {a} vs {c}"
+    announced = [line for line in out.splitlines() if RESET.search(line)]
+    if not by_bucket:  # resharded: one line for RNG, LoCo and --param-gather-bits state together
+        assert len(announced) == 1 and "RNG re-seeded" in announced[0], f"{where}: {announced}"
     else:  # per-rank state read back where it fits; each part that does not fit says so once
-        assert sum("LoCo" in line for line in announced) == int(reset_loco), f"[{flags}] {announced}"
-        assert sum("param-gather" in line for line in announced) == int(reset_pgb), f"[{flags}] {announced}"
-        assert len(announced) <= int(reset_loco) + int(reset_pgb), f"[{flags}] {announced}"
+        reset_loco, reset_pgb = cell["loco_bits"] > 0, cell["param_gather_bits"] > 0
+        assert sum("LoCo" in line for line in announced) == int(reset_loco), f"{where}: {announced}"
+        assert sum("param-gather" in line for line in announced) == int(reset_pgb), f"{where}: {announced}"
+        assert len(announced) <= int(reset_loco) + int(reset_pgb), f"{where}: {announced}"
