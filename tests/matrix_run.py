@@ -28,7 +28,7 @@ from loco_megatron.config import ConfigError
 from loco_megatron.loco import param_gather
 from loco_megatron.loco.collectives import CollectiveOps
 from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
-from loco_megatron.training.trainer import train
+from loco_megatron.training import trainer
 from param_identity import identical_across  # tests/ is this script's folder
 
 
@@ -108,17 +108,25 @@ def main() -> int:
     """``MATRIX_RUNS``: JSON ``[[tag, extra args], ...]``, runs one after another in these
     processes (each after the common ``argv``); ``MATRIX_RESUME_AT``: the iteration a run
     with ``--load`` resumes from."""
+    from megatron.core import parallel_state as ps
+
     warnings.filterwarnings("ignore")
     wire = Wire()
     ops = _install_recorders(wire)
-    for tag, extra in json.loads(os.environ["MATRIX_RUNS"]):
-        # Later runs reuse the processes (the earlier run left no process group or megatron
-        # parallel state behind): each start-up saved is most of a run's cost on CPU.
-        if int(os.environ.get("RANK", "0")) == 0:
-            _say(f"=== run {tag} ===")
-        code = run(sys.argv[1:] + extra, tag, wire, ops)
-        if code:
-            return code
+    # Later runs reuse the processes (each start-up saved is most of a tiny run's cost on
+    # CPU) and the default process group (a second rendezvous on torchrun's store can meet
+    # the first one's stale keys); megatron's parallel state is torn down between runs.
+    trainer.shutdown_distributed = ps.destroy_model_parallel
+    try:
+        for tag, extra in json.loads(os.environ["MATRIX_RUNS"]):
+            if int(os.environ.get("RANK", "0")) == 0:
+                _say(f"=== run {tag} ===")
+            code = run(sys.argv[1:] + extra, tag, wire, ops)
+            if code:
+                return code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
@@ -180,7 +188,7 @@ def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
         return hooks["grad"]
 
     try:  # as pretrain_gpt.py: a refused resume is one line and exit status 2
-        train(config, env, grad_sync_factory=grad_sync_factory, param_sync_factory=param_sync_factory)
+        trainer.train(config, env, grad_sync_factory=grad_sync_factory, param_sync_factory=param_sync_factory)
     except ConfigError as e:
         report_error(e, env.rank)
         return 2
