@@ -3,8 +3,8 @@ factors below runs together in some cell, on 2-4 gloo ranks, 4 steps with a save
 2, then a resume from step 2 at the same layout and one at another (a --ddp-bucket-size
 change at the same world size, or a DP change: 2 <-> 4 ranks). Runs at the same world
 size share one torchrun (tests/matrix_run.py runs them one after another, tearing down
-the process group and megatron's parallel state in between): start-up is most of a
-tiny run's cost on CPU. test_training and test_checkpoint resume in fresh processes.
+megatron's parallel state in between): start-up is most of a tiny run's cost on CPU.
+test_training and test_checkpoint resume in fresh processes.
 
 Invariants checked in every cell, with its flags in the test id and every message:
 parameters bit-identical across the ranks of each DP group after every step; the
