@@ -18,7 +18,7 @@ from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.training.trainer import train
 
 
-def _identical(params: list, group) -> bool:
+def identical_across(params: list, group) -> bool:
     if not params:
         return True
     flat = torch.cat([p.detach().reshape(-1).float() for p in params])
@@ -43,8 +43,8 @@ class CheckedHook(GradSyncHook):
             from megatron.core import parallel_state as ps
 
             params = [p for c in self._chunks for p in c.parameters()]
-            dense = _identical([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
-            expert = _identical([p for p in params if not getattr(p, "allreduce", True)],
+            dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
+            expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
                                 ps.get_expert_data_parallel_group())
             # One write() per line: lines of different ranks never interleave mid-line.
             sys.stdout.flush()

@@ -60,10 +60,11 @@ def test_resume_with_loco_is_bit_exact(cache_dir, tmp_path):
     RNG, data position, LoCo error buffers and reset counter) missing from checkpoints."""
     args = TINY + ["--train-iters", "8", "--lr-decay-iters", "8", "--loco-bits", "4",
                    "--loco-reset-interval", "3"]
-    _, full = torchrun(2, args, cache_dir, tmp_path, name="full")
-    ck = str(tmp_path / "ck")
-    torchrun(2, args + ["--train-iters", "4", "--save", ck], cache_dir, tmp_path, name="first")
-    proc, resumed = torchrun(2, args + ["--load", ck], cache_dir, tmp_path, name="resumed")
+    ck = tmp_path / "ck"
+    # The uninterrupted run writes the checkpoint it is compared with (one run fewer).
+    _, full = torchrun(2, args + ["--save", str(ck), "--save-interval", "4"], cache_dir, tmp_path, name="full")
+    (ck / "latest_checkpointed_iteration.txt").write_text("4\n")  # resume from iteration 4
+    proc, resumed = torchrun(2, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
     assert "resuming from" in proc.stdout
     a, b = train_losses(full), train_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]

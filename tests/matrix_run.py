@@ -1,0 +1,199 @@
+"""pretrain_gpt.py with the combination matrix's per-step checks (tests/test_matrix.py).
+
+* ``IDENTICAL rank=R iter=I dense=B expert=B``: the model parameters of every data-
+  parallel group (expert parameters: every expert-data-parallel group) are bit-identical
+  across its ranks after step ``I``. Checked just before each optimizer step (the
+  forward pass has finished every parameter all-gather, --overlap-param-gather's
+  deferred ones included, and nothing has changed them since) and once more after the
+  last step, with the deferred gather finished the way a save finishes it.
+* ``WIRE rank=R iter=I ...``: what this rank's step put on the wire, recorded at the
+  collectives themselves (LoCo's injectable ops, megatron-core's bucket reduce-scatter
+  and all-gather, the --param-gather-bits all-gather), next to the step's ``comm/``
+  figures from ``CommStats.take``. ``grad_in``: bytes handed to gradient collectives of
+  more than one rank; ``grad_out``: the part of them addressed to other ranks;
+  ``param``: gathered parameter buffers of more than one rank.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.cli import main_config, report_error
+from loco_megatron.config import ConfigError
+from loco_megatron.loco import param_gather
+from loco_megatron.loco.collectives import CollectiveOps
+from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
+from loco_megatron.training import trainer
+from param_identity import identical_across  # tests/ is this script's folder
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())  # one write() per line: ranks never interleave mid-line
+
+
+def _nbytes(t) -> int:
+    tensors = t if isinstance(t, (list, tuple)) else [t]
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
+class Wire:
+    """Bytes of one step, counted at the collectives."""
+
+    def __init__(self):
+        self.grad_in = self.grad_out = self.param = 0
+
+    def grad(self, nbytes: int, group) -> None:
+        world = dist.get_world_size(group)
+        if world > 1:
+            self.grad_in += nbytes
+            self.grad_out += nbytes * (world - 1) // world
+
+    def gathered(self, nbytes: int, group) -> None:
+        if dist.get_world_size(group) > 1:
+            self.param += nbytes
+
+    def take(self) -> tuple:
+        out = (self.grad_in, self.grad_out, self.param)
+        self.grad_in = self.grad_out = self.param = 0
+        return out
+
+
+def _install_recorders(wire: Wire) -> CollectiveOps:
+    """megatron-core's and --param-gather-bits' collectives wrapped in place (this process
+    only); returns LoCo's ops, recorded."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    rs, ag = pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func
+
+    def reduce_scatter(out, inp, *args, group=None, **kwargs):
+        wire.grad(_nbytes(inp), group)
+        return rs(out, inp, *args, group=group, **kwargs)
+
+    def all_gather_params(out, inp, *args, group=None, **kwargs):
+        wire.gathered(_nbytes(out), group)
+        return ag(out, inp, *args, group=group, **kwargs)
+
+    pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func = reduce_scatter, all_gather_params
+
+    class _Dist:  # param_gather's view of torch.distributed, its all-gather recorded
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            wire.gathered(_nbytes(out), group)
+            return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+    param_gather.dist = _Dist()
+
+    def grad_op(fn, counted):
+        def op(out, inp, group=None, async_op=False):
+            wire.grad(_nbytes(counted(out, inp)), group)
+            return fn(out, inp, group=group, async_op=async_op)
+        return op
+
+    return CollectiveOps(all_to_all_single=grad_op(dist.all_to_all_single, lambda o, i: i),
+                         reduce_scatter_tensor=grad_op(dist.reduce_scatter_tensor, lambda o, i: i),
+                         all_gather=grad_op(dist.all_gather, lambda o, i: i),
+                         all_gather_into_tensor=grad_op(dist.all_gather_into_tensor, lambda o, i: i))
+
+
+def main() -> int:
+    """``MATRIX_RUNS``: JSON ``[[tag, extra args], ...]``, runs one after another in these
+    processes (each after the common ``argv``); ``MATRIX_RESUME_AT``: the iteration a run
+    with ``--load`` resumes from."""
+    from megatron.core import parallel_state as ps
+
+    warnings.filterwarnings("ignore")
+    wire = Wire()
+    ops = _install_recorders(wire)
+    # Later runs reuse the processes (each start-up saved is most of a tiny run's cost on
+    # CPU) and the default process group (a second rendezvous on torchrun's store can meet
+    # the first one's stale keys); megatron's parallel state is torn down between runs.
+    trainer.shutdown_distributed = ps.destroy_model_parallel
+    try:
+        for tag, extra in json.loads(os.environ["MATRIX_RUNS"]):
+            if int(os.environ.get("RANK", "0")) == 0:
+                _say(f"=== run {tag} ===")
+            code = run(sys.argv[1:] + extra, tag, wire, ops)
+            if code:
+                return code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _resume_at(load: str) -> None:
+    """Point ``load``'s latest file at MATRIX_RESUME_AT. Every rank writes the same bytes
+    and renames them into place before reading it: no rank can read another value."""
+    at = os.environ.get("MATRIX_RESUME_AT")
+    if at:
+        latest = pathlib.Path(load) / "latest_checkpointed_iteration.txt"
+        tmp = latest.with_name(f"{latest.name}.rank{os.environ.get('RANK', '0')}")
+        tmp.write_text(f"{at}\n")
+        os.replace(tmp, latest)
+
+
+def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
+    config, env = main_config(argv)
+    if config.checkpoint.load:
+        _resume_at(config.checkpoint.load)
+    wire.take()  # nothing of an earlier run (its final save's gather) counts here
+    hooks: dict = {}  # the grad hook (its iteration) and the model chunks, once built
+
+    def check(iteration: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        params = [p for c in hooks["chunks"] for p in c.parameters()]
+        dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
+        expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
+                            ps.get_expert_data_parallel_group())
+        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert}")
+
+    def param_sync_factory(chunks, optimizer, loco, stats):
+        hooks["chunks"] = chunks
+        step, take = optimizer.step, stats.take
+
+        def checked_step():
+            if hooks["grad"].iteration > 0:  # the parameters after the previous step
+                check(hooks["grad"].iteration)
+            return step()
+
+        def recorded_take():
+            comm, sums = take()
+            it = hooks["grad"].iteration + 1
+            grad_in, grad_out, param = wire.take()
+            _say(f"WIRE run={tag} rank={dist.get_rank()} iter={it} grad_in={grad_in} grad_out={grad_out} param={param} "
+                 f"grad_metric={int(comm['comm/grad_bytes_sent'])} "
+                 f"grad_split={int(comm['comm/grad_bytes_sent_intra'] + comm['comm/grad_bytes_sent_inter'])} "
+                 f"param_metric={int(comm['comm/param_bytes_sent'])}")
+            if it == config.train.train_iters:
+                for chunk in chunks:  # what a save does first: finish a deferred gather
+                    chunk.start_param_sync(force_sync=True)
+                check(it)
+            return comm, sums
+
+        optimizer.step, stats.take = checked_step, recorded_take
+        return ParamGatherHook(chunks, optimizer, loco, stats)
+
+    def grad_sync_factory(chunks, loco, stats):
+        hooks["grad"] = GradSyncHook(chunks, loco, stats, ops=ops)
+        return hooks["grad"]
+
+    try:  # as pretrain_gpt.py: a refused resume is one line and exit status 2
+        trainer.train(config, env, grad_sync_factory=grad_sync_factory, param_sync_factory=param_sync_factory)
+    except ConfigError as e:
+        report_error(e, env.rank)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
