@@ -145,12 +145,14 @@ class TwoHopWork:
     :class:`CompressedReduceScatterWork`; ``extra_compress_marks`` holds the (start, end)
     marks of hop 2's compression (it happens after launch) and
     ``extra_decompress_marks`` hop 1's decompression. ``bytes_intra`` and
-    ``bytes_inter``: what this rank sent on each hop to *other* ranks; ``gather_bytes``
+    ``bytes_inter``: what this rank sent on each hop to *other* ranks (the per-link
+    split); ``bytes_handed``: every byte it handed to the two hops' collectives, its own
+    rows included, as flat LoCo counts ``comm/grad_bytes_sent``; ``gather_bytes``
     what the all-gather (without the distributed optimizer) handed over.
     """
 
     def __init__(self, finish_hop1: Callable, start_hop2: Callable, clock, launch_mark, bytes_intra: int,
-                 sequencer: Hop2Sequencer, gather: Optional[Callable] = None):
+                 sequencer: Hop2Sequencer, gather: Optional[Callable] = None, hop1_handed: int = 0):
         self._finish_hop1, self._start_hop2, self._gather = finish_hop1, start_hop2, gather
         self._sequencer = sequencer
         sequencer.add(self)
@@ -160,13 +162,15 @@ class TwoHopWork:
         self.extra_compress_marks: list[tuple] = []
         self.extra_decompress_marks: list[tuple] = []
         self.bytes_intra, self.bytes_inter, self.gather_bytes = bytes_intra, 0, 0
+        self.bytes_handed = hop1_handed
 
     def _launch_hop2(self) -> None:
         result, marks = self._finish_hop1()
         if marks is not None:
             self.extra_decompress_marks.append(marks)
         start = self.clock.mark()
-        self._hop2, self.bytes_inter = self._start_hop2(result)
+        self._hop2, self.bytes_inter, handed = self._start_hop2(result)
+        self.bytes_handed += handed
         self.extra_compress_marks.append((start, self._hop2.launch_mark))
 
     def wait(self) -> None:
@@ -207,6 +211,7 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
         recv = torch.empty(n * S, dtype=torch.bfloat16, device=buffer.device)
         work = ops.reduce_scatter_tensor(recv, send.view(-1), group=groups.intra, async_op=async_op)
         bytes_intra = (R - 1) * recv.numel() * 2
+        hop1_handed = send.numel() * 2
         scale = 1.0 / R if average else 1.0
 
         def finish_hop1():
@@ -222,6 +227,7 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
                                                decompress=decompress, ops=ops, out=None)
         launch = hop1.launch_mark
         bytes_intra = sent * (R - 1) // R
+        hop1_handed = sent
 
         def finish_hop1():
             # Written when hop 2 is issued and compressed right away: a shared scratch.
@@ -236,12 +242,13 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
         work2, sent2 = compressed_reduce_scatter(result, compress_inter, layout.inter, groups.inter,
                                                  async_op=async_op, average=average, clock=clock,
                                                  decompress=decompress, out=mine, ops=ops)
-        return work2, sent2 * (n - 1) // n
+        return work2, sent2 * (n - 1) // n, sent2
 
     gather = None
     if gather_group is not None:
         gather = lambda: gather_rows(buffer, mine, layout.flat, gather_group, ops)  # noqa: E731
-    handle = TwoHopWork(finish_hop1, start_hop2, clock, launch, bytes_intra, sequencer or Hop2Sequencer(), gather)
+    handle = TwoHopWork(finish_hop1, start_hop2, clock, launch, bytes_intra, sequencer or Hop2Sequencer(), gather,
+                        hop1_handed)
     if not async_op:
         handle.wait()
     return handle, bytes_intra

@@ -293,10 +293,12 @@ class GradSyncHook:
                     self.stats.add_interval("decompress", *marks)
             self.stats.add_hop_bytes(sum(w.bytes_intra for w in two_hop), sum(w.bytes_inter for w in two_hop))
             # Every byte handed to a collective, the all-gather without the distributed
-            # optimizer included (it moves the reduced shards at the gradient dtype).
+            # optimizer included (it moves the reduced shards at the gradient dtype); for
+            # two-hop both hops' rows, own rows included, as for flat LoCo (the intra/inter
+            # split above counts only what goes to other ranks).
             gathered = sum(w.gather_bytes for w in ws)
             self._record(ws, wait_start, wait_end, True,
-                         sent + gathered + sum(w.bytes_intra + w.bytes_inter for w in two_hop), raw)
+                         sent + gathered + sum(w.bytes_handed for w in two_hop), raw)
 
         multi = _MultiWork(works, self.clock, done)
         if async_op:
