@@ -10,8 +10,8 @@ Invariants checked in every cell, with its flags in the test id and every messag
 parameters bit-identical across the ranks of each DP group after every step; the
 same-layout resume bit-exact against the uninterrupted run; the other-layout resume
 continuing (first resumed loss within ``RESUME_RTOL`` of the uninterrupted run) with
-each reset of state announced in one line (--ckpt-format torch: a DP change is refused
-with one line instead); the bytes metrics equal to what the collectives were handed.
+each reset of state announced in one line (--ckpt-format torch: a DP or bucket-size
+change is refused with one line instead); the bytes metrics equal to what the collectives were handed.
 """
 
 from __future__ import annotations
@@ -213,6 +213,14 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
     if announced:
         problems.append(f"[{flags}] same-layout resume announces a reset: {announced}")
 
+    if by_bucket and cell["ckpt_format"] == "torch":  # megatron's per-rank optimizer state: same buckets only
+        errors = {line for line in _workers(proc.stderr).splitlines() if "error:" in line}
+        if not (crash and len(errors) == 1 and "different model/parallel layout" in (line := errors.pop())
+                and "bucket" in line and "Traceback" not in _workers(proc.stderr)):
+            problems.append(f"[{flags}] torch format at another bucket size not refused in one line: "
+                            f"{_workers(proc.stderr)[-1500:]}")
+        assert not problems, "\n".join(problems)
+        return
     if by_bucket:
         other_n, (out, other) = n, got["other"]
         if crash:

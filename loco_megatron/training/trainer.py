@@ -167,7 +167,10 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                   "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
                   **({"vpp": vpp} if vpp > 1 else {}),
                   "model": [config.model.num_layers, config.model.hidden_size, vocab,
-                            config.model.num_experts]}
+                            config.model.num_experts],
+                  # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
+                  # same buckets: with this in the layout a bucket change is refused in one line.
+                  "bucket": config.parallel.ddp_bucket_size or 0}
     cc = config.checkpoint
     ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
                         dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
