@@ -155,7 +155,10 @@ def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
         dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
         expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
                             ps.get_expert_data_parallel_group())
-        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert}")
+        # Parameters TP does not split are replicated on every TP rank (tests/param_identity.py).
+        tp = identical_across([p for p in params if not getattr(p, "tensor_model_parallel", False)],
+                              ps.get_tensor_model_parallel_group())
+        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert} tp={tp}")
 
     def param_sync_factory(chunks, optimizer, loco, stats):
         hooks["chunks"] = chunks

@@ -46,9 +46,13 @@ class CheckedHook(GradSyncHook):
             dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
             expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
                                 ps.get_expert_data_parallel_group())
+            # Parameters that tensor parallelism does not split are replicated on every TP rank.
+            tp = identical_across([p for p in params if not getattr(p, "tensor_model_parallel", False)],
+                                  ps.get_tensor_model_parallel_group())
             # One write() per line: lines of different ranks never interleave mid-line.
             sys.stdout.flush()
-            os.write(1, f"IDENTICAL rank={dist.get_rank()} iter={value} dense={dense} expert={expert}\n".encode())
+            os.write(1, f"IDENTICAL rank={dist.get_rank()} iter={value} dense={dense} expert={expert} tp={tp}\n"
+                     .encode())
 
 
 if __name__ == "__main__":

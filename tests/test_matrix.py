@@ -151,18 +151,23 @@ def _failure(proc, flags: str, name: str) -> str:
             + "\n".join(proc.stdout.splitlines()[-8:] + workers[-20:]))
 
 
-def _check_run(out: str, metrics: list, nproc: int, start: int, where: str, problems: list) -> None:
+def _check_run(out: str, metrics: list, nproc: int, start: int, where: str, problems: list,
+               tp_replicas: bool = True) -> None:
     """Identical parameters after every step (and as loaded), and bytes metrics = the
     collectives' bytes, in a run of steps ``start+1 .. 4`` (``out``: its tagged stdout).
     A broken invariant is added to ``problems`` (the first instance of each), so that a
-    cell reports every invariant it breaks, not only the first."""
+    cell reports every invariant it breaks, not only the first. ``tp_replicas``: also
+    require TP-replicated parameters equal across TP ranks (not with --param-gather-bits,
+    whose gathered copies of them may differ by one quantisation step of the gather: a
+    known limitation, see loco_megatron/loco/tp_replicas.py)."""
     iters = list(range(max(start, 1), 5))
-    checks = re.findall(r"IDENTICAL rank=(\d+) iter=(\d+) dense=(\w+) expert=(\w+)", out)
-    assert sorted({(int(r), int(i)) for r, i, _, _ in checks}) == [(r, i) for r in range(nproc) for i in iters], \
+    checks = re.findall(r"IDENTICAL rank=(\d+) iter=(\d+) dense=(\w+) expert=(\w+) tp=(\w+)", out)
+    assert sorted({(int(r), int(i)) for r, i, *_ in checks}) == [(r, i) for r in range(nproc) for i in iters], \
         (where, checks)
-    bad = [c for c in checks if "False" in c]
+    bad = [c for c in checks if "False" in (c[2:] if tp_replicas else c[2:4])]
     if bad:
-        problems.append(f"{where}: parameters differ across data-parallel ranks (rank, iter, dense, expert): {bad}")
+        problems.append(f"{where}: parameters differ across data-parallel ranks or TP replicas "
+                        f"(rank, iter, dense, expert, tp): {bad}")
     wire = [{k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])} for line in out.splitlines()
             if line.startswith("WIRE ")]
     assert len(wire) == nproc * (4 - start), (where, len(wire))
@@ -202,10 +207,11 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
     # A crash of the bucket-size resume leaves the two runs before it to check.
     assert not crash or "=== run other ===" in proc.stdout, crash
     out, ref = got["ref"]
-    _check_run(out, ref, n, 0, f"[{flags}] uninterrupted", problems)
+    tp_ok = cell["param_gather_bits"] == 0
+    _check_run(out, ref, n, 0, f"[{flags}] uninterrupted", problems, tp_ok)
     a = train_losses(ref)
     out, same = got["same"]
-    _check_run(out, same, n, 2, f"[{flags}] same-layout resume", problems)
+    _check_run(out, same, n, 2, f"[{flags}] same-layout resume", problems, tp_ok)
     b = train_losses(same)
     if b != {3: a[3], 4: a[4]}:
         problems.append(f"[{flags}] same-layout resume not bit-exact: {a} vs {b}")
@@ -243,7 +249,7 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
             problems.append(crash)
             assert not problems, "\n".join(problems)
     where = f"[{flags}] resume at another layout ({cell['other_layout']})"
-    _check_run(out, other, other_n, 2, where, problems)
+    _check_run(out, other, other_n, 2, where, problems, tp_ok)
     c = train_losses(other)
     if not (sorted(c) == [3, 4] and c[3] == pytest.approx(a[3], rel=RESUME_RTOL)):
         problems.append(f"{where} does not continue the run: {a} vs {c}")

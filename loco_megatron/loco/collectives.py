@@ -53,6 +53,7 @@ class CollectiveOps:
     reduce_scatter_tensor: Callable = dist.reduce_scatter_tensor
     all_gather: Callable = dist.all_gather
     all_gather_into_tensor: Callable = dist.all_gather_into_tensor
+    all_reduce: Callable = dist.all_reduce
 
 
 TORCH_OPS = CollectiveOps()

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import pathlib
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,10 +16,12 @@ from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
+from loco_megatron.loco.collectives import TORCH_OPS
 from loco_megatron.loco.kernel_choice import resolve_kernels
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks import ParamGatherHook
+from loco_megatron.loco.tp_replicas import ReplicaGradAverage, needs_replica_average, tp_replicated_params
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
 from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.metrics.variant import variant
@@ -85,14 +87,23 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
                                                                   loco_ranks_per_node=per_node))
 
 
-def _configure_schedules(model_chunks: list, optimizer) -> None:
+def _configure_schedules(model_chunks: list, optimizer, after_finalize: Optional[Callable] = None) -> None:
     """Hooks megatron's schedules call: loss scaling, grad-sync suppression between
-    micro batches, and the final wait/reduction of all gradients."""
+    micro batches, and the final wait/reduction of all gradients (then ``after_finalize``,
+    e.g. the TP replica average of :mod:`loco_megatron.loco.tp_replicas`)."""
     from megatron.core.distributed import finalize_model_grads
 
     config = model_chunks[0].config
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    if after_finalize is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    else:
+        def finalize_then(*args, **kwargs):
+            out = finalize_model_grads(*args, **kwargs)
+            after_finalize()
+            return out
+
+        config.finalize_model_grads_func = finalize_then
     # One per chunk with virtual pipeline stages: the interleaved schedule starts each
     # chunk's grad sync as soon as that chunk's last backward is done.
     config.no_sync_func = [c.no_sync for c in model_chunks]
@@ -183,7 +194,14 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     # Before the grad hook, which then times the (compressed) parameter gather.
     param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
-    _configure_schedules(chunks, optimizer)
+    replicas = None
+    if needs_replica_average(config.loco.loco_bits, config.parallel.tensor_model_parallel_size):
+        from megatron.core import parallel_state
+
+        replicas = ReplicaGradAverage(
+            tp_replicated_params(chunks, config.parallel.sequence_parallel, chunks[0].config.qk_layernorm),
+            parallel_state.get_tensor_model_parallel_group(), getattr(grad_sync, "ops", TORCH_OPS))
+    _configure_schedules(chunks, optimizer, replicas)
     if layout.is_logging_rank and hasattr(grad_sync, "memory_report") and config.loco.enabled:
         print(_loco_memory_line(grad_sync.memory_report()), flush=True)
     profiler = Profiler(config.logging, layout.rank, device)

@@ -81,6 +81,8 @@ class GradSyncHook:
         check_megatron_core_version()
         self.loco, self.stats, self.clock = loco, stats, stats.clock
         self._ops = ops
+        self.ops = ops
+        """The collectives this hook issues (the TP replica average issues its own through them too)."""
         self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
         self.iteration = 0
         """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
