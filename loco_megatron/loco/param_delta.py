@@ -33,7 +33,7 @@ Memory: encode and decode work through each shard in chunks of whole blocks
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -111,13 +111,15 @@ class _ChunkLayout(NamedTuple):
     block_size: int
 
 
-def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout) -> torch.Tensor:
-    """One shard's wire row (uint8 ``[row_bytes]``) for ``d = new - agreed``, quantised
-    chunk by chunk (blocks never straddle chunks, so the row is the same as one pass's).
+def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One shard's wire row (uint8 ``[row_bytes]``, into ``out`` when given) for ``d = new
+    - agreed``, quantised chunk by chunk (blocks never straddle chunks, so the row is the
+    same as one pass's).
 
     ``new``, ``agreed``: ``[S]`` of any float dtype (compared in fp32).
     """
-    row = torch.empty(layout.row_bytes, dtype=torch.uint8, device=new.device)
+    row = out if out is not None else torch.empty(layout.row_bytes, dtype=torch.uint8, device=new.device)
     scales = row[layout.code_bytes:].view(torch.float32)
     for b0, b1, lo, hi in layout.chunks():
         d = new[lo:hi].float() - agreed[lo:hi].float()
