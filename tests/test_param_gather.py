@@ -216,3 +216,21 @@ def test_gather_temporaries_do_not_grow_with_the_bucket(kernels):
     term (8 bytes per element of DECODE_CHUNK)."""
     small, big = _largest_temporary(1 << 18, kernels), _largest_temporary(1 << 20, kernels)
     assert small == big <= 8 * DECODE_CHUNK, (small, big)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_chunking_changes_no_bit(kernels):
+    """Guards against the chunked encode/decode (issue 21's bounded transient memory)
+    differing from a one-pass one: codes, scales and deltas are per block, so slicing the
+    shard into chunks of one block or of many gives the same row and the same deltas
+    (a ragged last block and a non-finite row included)."""
+    g = torch.Generator().manual_seed(3)
+    new, agreed = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
+    one = DeltaLayout(2 * 3000, 2, 4, 256, kernels=kernels, chunk=1 << 20)
+    many = DeltaLayout(2 * 3000, 2, 4, 256, kernels=kernels, chunk=256)
+    assert one.chunk_blocks >= one.blocks and many.chunk_blocks == 1
+    row = encode_delta(new, agreed, one)
+    assert torch.equal(row, encode_delta(new, agreed, many))
+    rows = torch.stack([row, encode_delta(torch.full((3000,), float("inf")), agreed, one)])
+    (d1, f1), (d2, f2) = decode_rows(rows, one), decode_rows(rows, many)
+    assert torch.equal(d1, d2) and f1.tolist() == f2.tolist() == [True, False] and (d1[1] == 0).all()

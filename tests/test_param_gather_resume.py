@@ -45,7 +45,9 @@ def test_bucket_size_change_on_resume_resets_with_one_line(cache_dir, tmp_path):
     (``ValueError: param-gather state in the checkpoint does not match this run's
     buckets``) while LoCo's state in the same run resets with one line: the run goes on
     from the loaded (agreed) weights, bit-identical across ranks, and says so once. fp32,
-    so the exact main weights of the saved state are the ones dropped."""
+    so the exact main weights of the saved state are the ones dropped. Also guards the
+    start-up memory line, which left out the agreed copy (element_size / DP bytes per
+    parameter) and the gather's transient bytes."""
     ck = str(tmp_path / "ck")
     args = ARGS + ["--loco-bits", "4"]  # torch_dist: megatron's torch format refuses other buckets
     _, whole = torchrun(2, args, cache_dir, tmp_path, name="whole")
@@ -53,6 +55,9 @@ def test_bucket_size_change_on_resume_resets_with_one_line(cache_dir, tmp_path):
     proc, resumed = torchrun(2, args + ["--load", ck, "--ddp-bucket-size", "20000"], cache_dir, tmp_path,
                              name="resumed", script="tests/param_identity.py")
     assert proc.stdout.count(FRESH_LINE) == 1 and "its buckets differ" in proc.stdout
+    # The start-up memory line counts the agreed copy: fp32 over DP2 is 4 / 2 bytes per parameter.
+    assert re.search(r"param gather memory on rank 0: agreed copy [\d.]+ MiB \(2\.000 B/param\), transient up to",
+                     proc.stdout)
     assert "LoCo: the checkpoint's error state does not fit this run" in proc.stdout
     _identical(proc.stdout, 2, [4, 5])
     a, b = train_losses(whole), train_losses(resumed)
