@@ -23,7 +23,13 @@ last gather (not stepped yet, a skipped step, a repeated forced sync) sends noth
 every rank knows this from program order alone.
 
 Install it *before* :class:`~loco_megatron.loco.hooks.grad_sync.GradSyncHook`, which then
-times this method like megatron's own.
+times this method like megatron's own. Its all-gathers go through the
+:class:`~loco_megatron.loco.collectives.CollectiveOps` it is given, like LoCo's.
+
+Checkpoints: the spare shards are per-rank state. Whenever they cannot be used (another
+layout, other buckets, written without --param-gather-bits, another parameter dtype)
+:meth:`ParamGatherHook.load_state_dict` takes the loaded model as the agreed parameters
+(one line): the spare shards were cloned from the *initial* weights at construction.
 """
 
 from __future__ import annotations
