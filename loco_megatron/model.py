@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 
@@ -108,6 +110,38 @@ def _seeded_layer_class(layer_cls, seed: int):
     return SeededLayer
 
 
+def _name_seed(seed: int, name: str) -> int:
+    """A seed for one parameter from the run's seed and the parameter's name (stable
+    across processes, unlike ``hash``)."""
+    return (seed * 1000003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+@torch.no_grad()
+def _seed_outside_layers(model, seed: int, std: float, tied: bool) -> None:
+    """Re-draw the random weights that live outside the transformer layers (the word and
+    position embeddings, the output layer) from ``(seed, name)``: megatron draws them from
+    the stage's global RNG, so with PP > 1 the last stage's output layer started from
+    other weights than with PP = 1 (its stage never drew the embedding first). The full
+    tensor is drawn, then this rank's tensor-parallel slice taken, so TP is irrelevant too.
+    A tied output layer (on a stage without the embedding) is drawn under the embedding's
+    name, so it equals the embedding as megatron's own initial sync makes it."""
+    from megatron.core import parallel_state as ps
+
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.") or param.dim() < 2:  # layers: per global layer number; norms: ones
+            continue
+        key = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+        full = list(param.shape)
+        dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+        tp = ps.get_tensor_model_parallel_world_size() if dim >= 0 else 1
+        full[max(dim, 0)] *= tp
+        g = torch.Generator().manual_seed(_name_seed(seed, key))
+        values = torch.empty(full).normal_(0.0, std, generator=g)
+        if dim >= 0:
+            values = values.chunk(tp, dim=dim)[ps.get_tensor_model_parallel_rank()]
+        param.copy_(values)
+
+
 def build_model(config: Config, vocab_size: int, device: torch.device, wrap: bool = True) -> list:
     """This rank's model chunks (one per virtual pipeline stage, else one), each a
     GPTModel inside megatron-core's DDP wrapper, in schedule order. ``wrap=False``: the bare
@@ -137,6 +171,8 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
             share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type, vp_stage=vp_stage,
         )
+        _seed_outside_layers(model, config.train.seed, m.init_method_std,
+                             tied=not m.untie_embeddings_and_output_weights)
         model.to(device)
         if not wrap:
             chunks.append(model)

@@ -1,5 +1,5 @@
-"""pretrain_gpt.py with LoCo's collectives recorded and randomly delayed, for the
-collective-order test. Each rank writes the sequence of (communicator ranks,
+"""pretrain_gpt.py with LoCo's collectives (gradient sync and the compressed parameter
+gather) recorded and randomly delayed, for the collective-order tests. Each rank writes the sequence of (communicator ranks,
 operation, elements) it issued to ``$LOCO_TEST_RECORD_DIR/rank<R>.json``.
 
 The delays (0-20 ms before each collective is issued) and a work handle whose
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from loco_megatron.cli import main_config
 from loco_megatron.loco.collectives import CollectiveOps
-from loco_megatron.loco.hooks import GradSyncHook
+from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
 from loco_megatron.training.trainer import train
 
 
@@ -57,8 +57,9 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     config, env = main_config(sys.argv[1:])
     log: list = []
-    factory = lambda chunks, loco, stats: GradSyncHook(  # noqa: E731
-        chunks, loco, stats, ops=recording_ops(log, random.Random(1000 + env.rank)))
-    train(config, env, grad_sync_factory=factory)
+    ops = recording_ops(log, random.Random(1000 + env.rank))
+    factory = lambda chunks, loco, stats: GradSyncHook(chunks, loco, stats, ops=ops)  # noqa: E731
+    param_factory = lambda chunks, opt, loco, stats: ParamGatherHook(chunks, opt, loco, stats, ops=ops)  # noqa: E731
+    train(config, env, grad_sync_factory=factory, param_sync_factory=param_factory)
     out = pathlib.Path(os.environ["LOCO_TEST_RECORD_DIR"]) / f"rank{env.rank}.json"
     out.write_text(json.dumps(log))

@@ -9,8 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, add_delta, decode_rows, encode_delta
-from loco_megatron.loco.param_gather import compressed_param_all_gather
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from loco_megatron.loco.param_delta import (DECODE_CHUNK, AgreedShard, DeltaLayout, add_delta, decode_rows,
+                                            encode_delta)
+from loco_megatron.loco.param_gather import ParamGatherWork, compressed_param_all_gather
+from loco_megatron.metrics.comm import WallClock
 from loco_megatron.loco.quantize import dequantize_blockwise, quantize_blockwise
 
 WORLD, SHARD = 3, 700  # shards not a multiple of the block: padding is exercised
@@ -160,3 +165,72 @@ def test_cpu_kernels_encode_and_decode_bit_identical():
         (d_ref, f_ref), (d_fast, f_fast) = decode_rows(rows, ref), decode_rows(rows, fast)
         assert torch.equal(d_ref, d_fast) and torch.equal(f_ref, f_fast)
         assert f_ref.tolist() == [True, False, True] and (d_fast[1] == 0).all()
+
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor storage an op creates (views and in-place results of an
+    input share its storage and are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _largest_temporary(shard: int, kernels: str) -> int:
+    """Largest allocation of one 2-rank gather's encode and decode (``shard`` elements per
+    rank, bf16), after checking the decoded values against the whole-bucket reference."""
+    layout = DeltaLayout(2 * shard, 2, 4, 256, kernels=kernels)
+    g = torch.Generator().manual_seed(shard)
+    buffer = torch.randn(2 * shard, generator=g).to(torch.bfloat16)
+    mine = AgreedShard(buffer[:shard], main_aliased=False)
+    buffer[:shard] += (0.01 * torch.randn(shard, generator=g)).to(torch.bfloat16)  # the "optimizer step"
+    other = buffer[shard:] + (0.01 * torch.randn(shard, generator=g)).to(torch.bfloat16)
+    send = torch.empty(layout.row_bytes, dtype=torch.uint8)  # the wire row itself is not a temporary
+    with _LargestAllocation() as mode:
+        encode_delta(buffer[:shard], mine.agreed(), layout, out=send)
+    recv = torch.cat([send, encode_delta(other, buffer[shard:], layout)])
+    deltas, _ = decode_rows(recv.view(2, -1), layout)
+    expected = torch.cat([add_delta(mine.agreed(), deltas[0]), add_delta(buffer[shard:], deltas[1])])
+    work = ParamGatherWork(None, send, recv, layout, buffer, mine, 0, WallClock(), (0.0, 0.0))
+    with mode:
+        work.wait()
+    assert torch.equal(buffer, expected) and torch.equal(mine.spare, expected[:shard])
+    return mode.largest
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_gather_temporaries_do_not_grow_with_the_bucket(kernels):
+    """Guards against the unchunked decode of issue 21 (6-11 bytes per parameter of
+    transient memory: fp32 deltas of the whole [W, S] bucket, int8 unpack temporaries and
+    float64 statistics; 340 MiB for a 32M-element bucket): the largest temporary of an
+    encode plus decode is the same for a 4x larger bucket, and within one chunk's float64
+    term (8 bytes per element of DECODE_CHUNK)."""
+    small, big = _largest_temporary(1 << 18, kernels), _largest_temporary(1 << 20, kernels)
+    assert small == big <= 8 * DECODE_CHUNK, (small, big)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_chunking_changes_no_bit(kernels):
+    """Guards against the chunked encode/decode (issue 21's bounded transient memory)
+    differing from a one-pass one: codes, scales and deltas are per block, so slicing the
+    shard into chunks of one block or of many gives the same row and the same deltas
+    (a ragged last block and a non-finite row included)."""
+    g = torch.Generator().manual_seed(3)
+    new, agreed = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
+    one = DeltaLayout(2 * 3000, 2, 4, 256, kernels=kernels, chunk=1 << 20)
+    many = DeltaLayout(2 * 3000, 2, 4, 256, kernels=kernels, chunk=256)
+    assert one.chunk_blocks >= one.blocks and many.chunk_blocks == 1
+    row = encode_delta(new, agreed, one)
+    assert torch.equal(row, encode_delta(new, agreed, many))
+    rows = torch.stack([row, encode_delta(torch.full((3000,), float("inf")), agreed, one)])
+    (d1, f1), (d2, f2) = decode_rows(rows, one), decode_rows(rows, many)
+    assert torch.equal(d1, d2) and f1.tolist() == f2.tolist() == [True, False] and (d1[1] == 0).all()

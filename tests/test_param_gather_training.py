@@ -8,6 +8,7 @@ groups gathered over the expert-data-parallel group); DP2 with --overlap-param-g
 for overlap, checkpoint and resume.
 """
 
+import json
 import re
 
 import pytest
@@ -83,3 +84,21 @@ def test_overlap_matches_sync_resumes_and_switches_bits(cache_dir, tmp_path):
                            name="switched")
     last = [m for m in switched if "comm/param_compression_ratio" in m][-1]
     assert last["comm/param_compression_ratio"] == 1.0 and sorted(train_losses(switched)) == [4, 5, 6]
+
+
+def test_param_gather_goes_through_the_recorded_collectives(cache_dir, tmp_path, monkeypatch):
+    """Guards against the compressed parameter gather calling torch.distributed directly
+    (issue 21): the collective-order recorder could not see it, so its program order was
+    never checked. With the distributed optimizer LoCo issues no all-gather of its own,
+    so every recorded all-gather is a parameter gather (uint8 rows): one per gathered
+    bucket and update, in the same order, with the same sizes, on both ranks, under
+    random delays and --overlap-param-gather."""
+    monkeypatch.setenv("LOCO_TEST_RECORD_DIR", str(tmp_path))
+    args = TINY + ["--train-iters", "3", "--loco-bits", "4", "--param-gather-bits", "4", "--overlap-param-gather"]
+    torchrun(2, args, cache_dir, tmp_path, script="tests/record_collectives.py")
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert logs[0] == logs[1]
+    gathers = [n for _, op, n in logs[0] if op == "all_gather"]
+    buckets = len([n for _, op, n in logs[0] if op == "all_to_all"]) // 3  # LoCo: one per bucket and step
+    # Steps 1 and 2's updates are gathered in the next forward; step 3's is never needed.
+    assert buckets > 1 and len(gathers) == 2 * buckets, (buckets, gathers)

@@ -28,35 +28,61 @@ def _blocks(x, b=256):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("opts", QUANT_ROT, ids=lambda o: f"{o.quantizer}-{o.rotation}")
 def test_nearest_round_trip_within_half_step(bits, opts):
-    """Guards against a wrong grid or scale for the uniform quantiser (levels (k+0.5)s must
-    reach +-absmax) and a rotation that is not undone: with nearest rounding and the absmax
-    scale every element (rotated domain: every block's L2 error) is within half a step."""
+    """Guards against a wrong grid or scale (the block's extreme must sit on a level
+    exactly) and a rotation that is not undone: with nearest rounding and the absmax scale
+    every element inside the grid's span (rotated domain: every block's L2 error) is
+    within half a step; the uniform grid's far side clips within one step."""
     torch.manual_seed(bits)
     x = torch.randn(4096) * 3
     x[7] = 40.0  # a single outlier
     codes, scales = qz.quantize_blockwise(x, bits, 256, opts)
     assert codes.numel() == qz.packed_nbytes(4096, bits, 256) and scales.shape == (16,)
     y = qz.dequantize_blockwise(codes, scales, bits, 256, 4096, opts)
-    half = scales.unsqueeze(1) / 2
+    step = scales.abs().unsqueeze(1)
     if opts.rotation == "none":
-        assert torch.all((_blocks(x - y)).abs() <= half * (1 + 1e-6))
-        # the outlier sits on the top level exactly
-        assert y[7].item() == pytest.approx(40.0, rel=1e-6)
+        lo, hi = qz.code_range(bits, opts)
+        levels = torch.stack([lo * scales, hi * scales], dim=1)
+        inside = (_blocks(x) >= levels.amin(1, keepdim=True)) & (_blocks(x) <= levels.amax(1, keepdim=True))
+        err = _blocks(x - y).abs()
+        assert torch.all(err[inside] <= (step / 2).expand_as(err)[inside] * (1 + 1e-6))
+        assert torch.all(err <= step * (1 + 1e-6))
+        assert y[7].item() == pytest.approx(40.0, rel=1e-6)  # the outlier sits on a level exactly
     else:
         err = torch.linalg.vector_norm(_blocks(x - y), dim=1)
-        assert torch.all(err <= half.squeeze(1) * 16 * (1 + 1e-4))
+        assert torch.all(err <= step.squeeze(1) / 2 * 16 * (1 + 1e-4))
 
 
 def test_uniform_codes_match_formula():
     """Guards against the uniform quantiser leaving a code unused or rounding to the wrong
-    level: 2 bits, absmax 1.5 -> s = 1, levels -1.5, -0.5, 0.5, 1.5, q = floor(x/s)."""
-    x = torch.tensor([1.5, 0.2, -0.2, -1.5, 0.9, 1.2, -0.7, 0.0])
+    level: 2 bits, extreme m = 2 -> s = -1, codes q in [-2, 1] are the levels q*s =
+    2, 1, 0, -1, q = round(x/s) half to even; the mirrored block (m = -2) likewise."""
+    x = torch.tensor([2.0, 0.2, -0.2, -1.5, 0.9, 1.5, -0.7, 0.0])
     o = qz.QuantOptions(quantizer="uniform")
-    codes, scales = qz.quantize_blockwise(x, 2, 8, o)
-    assert scales.item() == 1.0
-    assert qz.unpack_codes(codes, 2, 8).tolist() == [1, 0, -1, -2, 0, 1, -1, 0]
-    y = qz.dequantize_blockwise(codes, scales, 2, 8, 8, o)
-    assert y.tolist() == [1.5, 0.5, -0.5, -1.5, 0.5, 1.5, -0.5, 0.5]
+    codes, scales = qz.quantize_blockwise(torch.cat([x, -x]), 2, 8, o)
+    assert scales.tolist() == [-1.0, 1.0]
+    q = qz.unpack_codes(codes, 2, 8).tolist()
+    assert q[:8] == [-2, 0, 0, 1, -1, -2, 1, 0] and q[8:] == q[:8]
+    y = qz.dequantize_blockwise(codes, scales, 2, 8, 16, o)
+    assert y[:8].tolist() == [2.0, 0.0, 0.0, -1.0, 1.0, 2.0, -1.0, 0.0] and y[8:].tolist() == (-y[:8]).tolist()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_uniform_grid_has_no_bias_for_zeros(bits):
+    """Guards against the half-integer uniform grid of issue 21 (levels (q+0.5)s: code 0
+    decoded to +0.5s, so without error feedback an element that is always exactly zero
+    summed to 50.0 over 100 steps): exact zeros decode to exactly 0 at every step, and a
+    block's extreme of either sign is a level exactly."""
+    o = qz.QuantOptions(quantizer="uniform")
+    total = torch.zeros(256)
+    for step in range(100):
+        g = torch.randn(256, generator=torch.Generator().manual_seed(step))
+        g[::2] = 0.0
+        codes, scales = qz.quantize_blockwise(g, bits, 256, o)
+        y = qz.dequantize_blockwise(codes, scales, bits, 256, 256, o)
+        ext = g[g.abs().argmax()]
+        assert (y == ext).any()
+        total += y
+    assert torch.all(total[::2] == 0)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -80,7 +106,7 @@ def test_mse_scale_never_worse_than_absmax(quantizer):
     cm, sm = qz.quantize_blockwise(x, 2, 256, m)
     ea = _blocks(x - qz.dequantize_blockwise(ca, sa, 2, 256, 8192, a)).square().sum(1)
     em = _blocks(x - qz.dequantize_blockwise(cm, sm, 2, 256, 8192, m)).square().sum(1)
-    assert torch.all(em <= ea * (1 + 1e-6)) and em.sum() < 0.8 * ea.sum()
+    assert torch.all(em <= ea * (1 + 1e-6)) and em.sum() < 0.85 * ea.sum()  # clipping helps heavy tails
     ratios = torch.tensor(qz.MSE_CLIP_RATIOS)
     assert torch.all(((sm / sa).unsqueeze(1) - ratios).abs().min(dim=1).values < 1e-6)
 
@@ -96,11 +122,17 @@ def test_stochastic_rounding_unbiased_and_keyed():
         for step in range(400):
             c, s = qz.quantize_blockwise(x, 2, 256, o, key=qz.noise_key(1, 0, step))
             y = qz.dequantize_blockwise(c, s, 2, 256, 512, o)
-            assert torch.all((_blocks(x - y)).abs() < s.unsqueeze(1) * (1 + 1e-6))
+            assert torch.all((_blocks(x - y)).abs() < s.abs().unsqueeze(1) * (1 + 1e-6))
             outs.append(y)
         mean = torch.stack(outs).mean(0)
-        # 400 samples, each within one step: the mean is within ~4 sigma of x
-        assert torch.all((_blocks(mean - x)).abs() <= s.unsqueeze(1) * 0.1), quantizer
+        # 400 samples, each within one step: the mean is within ~4 sigma of x, wherever the
+        # grid reaches (the uniform grid clips the far side of a block's extreme)
+        lo, hi = qz.code_range(2, o)
+        span = torch.stack([lo * s, hi * s], dim=1)
+        inside = (_blocks(x) >= span.amin(1, keepdim=True)) & (_blocks(x) <= span.amax(1, keepdim=True))
+        assert inside.float().mean() > 0.8
+        ok = (_blocks(mean - x)).abs() <= s.abs().unsqueeze(1) * 0.1
+        assert torch.all(ok[inside]), quantizer
     k = qz.noise_key(1, 0, 0)
     whole = qz.uniform_noise(8, 256, k)
     assert torch.equal(qz.uniform_noise(3, 256, k, first_block=5), whole[5:])

@@ -19,7 +19,8 @@ parallel layout and model shape) and ``"iteration"``. State whose shape depends 
 layout (RNG, LoCo's error buffers, the --param-gather-bits shards) is one ShardedObject
 per rank under a key naming the layout (``loco.world2_tp1_pp1_ep1/shard_R_W``); at load
 it is only asked for when the layout is the same, else the run says so in one line and
-starts it fresh.
+each such object gets ``load_state_dict(None)`` after the model was loaded (LoCo starts
+its error buffers at zero, the --param-gather-bits hook agrees on the loaded weights).
 
 Integrity: every writing rank records the SHA-256 of the files it wrote in
 ``sha256.rank_R.json``; at load the ranks share the checking and agree before any state
@@ -290,7 +291,12 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
                           f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
     stateful["model"].load_sharded_state_dict(loaded)
     for name, obj in stateful.items():
-        if name == "model" or (name in PER_RANK and not same):
+        if name == "model":
+            continue
+        if name in PER_RANK and not same:
+            # Not read: written for another layout. None tells the object so (after the
+            # model was loaded: the parameter hook takes the loaded weights as agreed).
+            obj.load_state_dict(None)
             continue
         if name not in loaded:
             if name in OPTIONAL_STATES:
@@ -302,5 +308,5 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     else:
         log(f"checkpoint: saved with layout {layout_tag(saved_layout)}, resuming with {layout_tag(layout_key)}: "
             f"model, optimizer, schedule and data position resharded; RNG re-seeded and LoCo error "
-            f"buffers (and --param-gather-bits state) start at zero")
+            f"buffers start at zero")
     return int(common["iteration"])

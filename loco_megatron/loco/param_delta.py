@@ -24,9 +24,16 @@ so it is identical everywhere) and is counted, so the caller can fail loudly.
 
 Wire row of one shard: ``uint8 [code_bytes + 4 * blocks]`` = packed codes followed by
 the fp32 scales' bytes.
+
+Memory: encode and decode work through each shard in chunks of whole blocks
+(:data:`DECODE_CHUNK` elements), so their temporaries are at most
+``CHUNK_TEMP_BYTES_PER_ELEMENT * DECODE_CHUNK`` bytes (3 MiB) whatever the bucket size;
+:meth:`DeltaLayout.transient_bytes` adds the wire rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -35,12 +42,25 @@ from loco_megatron.loco import quantize as qz
 PARAM_GATHER_BITS = (4, 8)
 
 
+DECODE_CHUNK = 1 << 16
+"""Elements of one shard handled at a time by the encode and the decode: their
+temporaries are sized by this, not by the bucket (megatron gives every pipeline stage
+after the first, and any run with --no-overlap-grad-reduce, one bucket for the stage)."""
+
+CHUNK_TEMP_BYTES_PER_ELEMENT = 48
+"""Upper bound on the temporaries one chunk element needs at once, in bytes: the fp32
+delta (4), int8 codes and their unpack temporaries (<= 3), the fp32 agreed value and the
+fp32 sum (8), the cast result (<= 4), and the float64 error and norm terms (24)."""
+
+
 class DeltaLayout:
     """Sizes of one bucket's compressed parameter all-gather."""
 
-    def __init__(self, numel: int, world: int, bits: int, block_size: int, kernels: str = "torch"):
+    def __init__(self, numel: int, world: int, bits: int, block_size: int, kernels: str = "torch",
+                 chunk: int = DECODE_CHUNK):
         """``kernels``: ``"torch"`` (the reference) or ``"cpu"`` (the fused C++ quantise and
-        dequantise of :mod:`.cpu_kernels`: the same codes, scales and deltas, bit for bit)."""
+        dequantise of :mod:`.cpu_kernels`: the same codes, scales and deltas, bit for bit).
+        ``chunk``: elements per encode/decode slice (rounded down to whole blocks)."""
         if bits not in PARAM_GATHER_BITS:
             raise ValueError(f"param-gather bits must be one of {PARAM_GATHER_BITS}, got {bits}")
         if numel % world:
@@ -51,46 +71,103 @@ class DeltaLayout:
         self.blocks = qz.num_blocks(self.shard, block_size)
         self.code_bytes = qz.packed_nbytes(self.shard, bits, block_size)
         self.row_bytes = self.code_bytes + 4 * self.blocks
+        self.chunk_blocks = max(1, chunk // block_size)
 
     @property
     def gathered_bytes(self) -> int:
         """Bytes of the gathered ``[W, row_bytes]`` buffer (the all-gather's output)."""
         return self.world * self.row_bytes
 
+    def chunks(self):
+        """``(b0, b1, lo, hi)``: blocks ``[b0, b1)`` of a shard, elements ``[lo, hi)``."""
+        B = self.block_size
+        for b0 in range(0, self.blocks, self.chunk_blocks):
+            b1 = min(b0 + self.chunk_blocks, self.blocks)
+            yield b0, b1, b0 * B, min(b1 * B, self.shard)
 
-def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout) -> torch.Tensor:
-    """One shard's wire row (uint8 ``[row_bytes]``) for ``d = new - agreed``.
+    def chunk_bytes(self, b0: int, b1: int) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of blocks ``[b0, b1)``'s codes in a row (codes are packed
+        per block, so a block's codes are whole bytes of their own)."""
+        per_block = self.block_size * self.bits // 8
+        return b0 * per_block, b1 * per_block
+
+    def chunk_temp_bytes(self) -> int:
+        """Most bytes of temporaries one encode or decode chunk holds at once."""
+        return CHUNK_TEMP_BYTES_PER_ELEMENT * min(self.chunk_blocks, self.blocks) * self.block_size
+
+    def transient_bytes(self) -> int:
+        """Most bytes one gather of this bucket holds besides the model and the agreed copy:
+        the sent row and the ``W`` gathered rows (``bits / 8 + 4 / block`` bytes per
+        element: the wire itself), two copies of the gathered scales (``8 / block`` per
+        element) and :meth:`chunk_temp_bytes`, which does not grow with the bucket."""
+        return self.row_bytes * (self.world + 1) + 8 * self.world * self.blocks + self.chunk_temp_bytes()
+
+
+class _ChunkLayout(NamedTuple):
+    """What :func:`.cpu_kernels.decompress_sum` reads of a layout, for one chunk's row."""
+
+    code_bytes: int
+    bits: int
+    block_size: int
+
+
+def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One shard's wire row (uint8 ``[row_bytes]``, into ``out`` when given) for ``d = new
+    - agreed``, quantised chunk by chunk (blocks never straddle chunks, so the row is the
+    same as one pass's).
 
     ``new``, ``agreed``: ``[S]`` of any float dtype (compared in fp32).
     """
-    d = new.float() - agreed.float()
-    if layout.kernels == "cpu":  # the LoCo compress kernel without error feedback quantises d
+    row = out if out is not None else torch.empty(layout.row_bytes, dtype=torch.uint8, device=new.device)
+    scales = row[layout.code_bytes:].view(torch.float32)
+    for b0, b1, lo, hi in layout.chunks():
+        d = new[lo:hi].float() - agreed[lo:hi].float()
+        if layout.kernels == "cpu":  # the LoCo compress kernel without error feedback quantises d
+            from loco_megatron.loco import cpu_kernels
+
+            codes, s, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel())
+        else:
+            codes, s = qz.quantize_blockwise(d, layout.bits, layout.block_size)
+        c0, c1 = layout.chunk_bytes(b0, b1)
+        row[c0:c1].copy_(codes)
+        scales[b0:b1].copy_(s)
+    return row
+
+
+def row_scales(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered rows (uint8 ``[W, row_bytes]``) -> fp32 ``[W, blocks]`` scales with the rows
+    that are not all finite zeroed (their deltas decode to exactly 0, a no-op) and the bool
+    ``[W]`` mask of the finite ones."""
+    scales = rows[:, layout.code_bytes:].contiguous().view(torch.float32)  # [W, blocks]: 4 B per block
+    finite = torch.isfinite(scales).all(dim=1)
+    return torch.where(finite.unsqueeze(1), scales, torch.zeros_like(scales)), finite
+
+
+def decode_chunk(row: torch.Tensor, scales: torch.Tensor, layout: DeltaLayout, b0: int, b1: int,
+                 numel: int) -> torch.Tensor:
+    """fp32 deltas of blocks ``[b0, b1)`` of one gathered row (its first ``numel``
+    elements); ``scales``: that row's ``[blocks]`` from :func:`row_scales`."""
+    c0, c1 = layout.chunk_bytes(b0, b1)
+    if layout.kernels == "cpu":  # the fused dequantise (zeroed scales: a zero delta)
         from loco_megatron.loco import cpu_kernels
 
-        codes, scales, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel())
-    else:
-        codes, scales = qz.quantize_blockwise(d, layout.bits, layout.block_size)
-    return torch.cat([codes, scales.view(torch.uint8)])
+        part = torch.cat([row[c0:c1], scales[b0:b1].contiguous().view(torch.uint8)]).unsqueeze(0)
+        out = torch.empty(numel, dtype=torch.float32, device=row.device)
+        cpu_kernels.decompress_sum(part, _ChunkLayout(c1 - c0, layout.bits, layout.block_size), out)
+        return out
+    q = qz.unpack_codes(row[c0:c1], layout.bits, layout.block_size).view(b1 - b0, layout.block_size)
+    return torch.mul(q, scales[b0:b1].unsqueeze(1)).view(-1)[:numel]
 
 
 def decode_rows(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered rows (uint8 ``[W, row_bytes]``) -> fp32 deltas ``[W, S]`` and a bool
-    ``[W]`` mask of shards whose scales are all finite (non-finite shards' deltas are
-    zeroed, so adding them is a no-op)."""
-    scales = rows[:, layout.code_bytes:].contiguous().view(torch.float32)  # [W, blocks]
-    finite = torch.isfinite(scales).all(dim=1)
-    safe = torch.where(finite.unsqueeze(1), scales, torch.zeros_like(scales))
-    if layout.kernels == "cpu":  # one fused dequantise per row (zeroed scales: a zero delta)
-        from loco_megatron.loco import cpu_kernels
-
-        safe_rows = torch.cat([rows[:, :layout.code_bytes], safe.view(torch.uint8)], dim=1)
-        deltas = torch.empty(layout.world, layout.shard, dtype=torch.float32, device=rows.device)
-        for j in range(layout.world):
-            cpu_kernels.decompress_sum(safe_rows[j:j + 1], layout, deltas[j])
-        return deltas, finite
-    codes = rows[:, :layout.code_bytes].reshape(-1)
-    q = qz.unpack_codes(codes, layout.bits, layout.block_size).view(layout.world, layout.blocks, layout.block_size)
-    deltas = torch.mul(q, safe.unsqueeze(2)).view(layout.world, -1)[:, :layout.shard]
+    """Whole-bucket fp32 deltas ``[W, S]`` and the finite mask: the reference the chunked
+    decode is checked against (the gather itself never builds this)."""
+    scales, finite = row_scales(rows, layout)
+    deltas = torch.empty(layout.world, layout.shard, dtype=torch.float32, device=rows.device)
+    for j in range(layout.world):
+        for b0, b1, lo, hi in layout.chunks():
+            deltas[j, lo:hi] = decode_chunk(rows[j], scales[j], layout, b0, b1, hi - lo)
     return deltas, finite
 
 
@@ -147,31 +224,44 @@ class AgreedShard:
         """The agreed own shard (from before the step) while an update is pending."""
         return self.spare
 
-    def finish(self, new_agreed: torch.Tensor) -> None:
-        """After the gather: ``own`` <- the new agreed shard; ``spare`` <- exact main
-        (aliased) or the agreed shard (not aliased)."""
+    def finish_slice(self, lo: int, hi: int, new_agreed: torch.Tensor) -> None:
+        """After the gather, elements ``[lo, hi)``: ``own`` <- the new agreed values; ``spare``
+        <- exact main (aliased) or the agreed values (not aliased). Elementwise, so the
+        gather applies it chunk by chunk; :meth:`finished` once every slice is done."""
         if self.main_aliased:
-            self.spare.copy_(self.own)
+            self.spare[lo:hi].copy_(self.own[lo:hi])
         else:
-            self.spare.copy_(new_agreed)
-        self.own.copy_(new_agreed)
+            self.spare[lo:hi].copy_(new_agreed)
+        self.own[lo:hi].copy_(new_agreed)
+
+    def finished(self) -> None:
         self.pending = False
+
+    def finish(self, new_agreed: torch.Tensor) -> None:
+        """:meth:`finish_slice` of the whole shard, then :meth:`finished`."""
+        self.finish_slice(0, self.own.numel(), new_agreed)
+        self.finished()
+
+    def agree_on_model(self) -> None:
+        """The loaded model shard becomes both agreed and main (nothing else to go by: a
+        checkpoint without usable state for this hook)."""
+        self.pending = False
+        self.spare.copy_(self.own)
 
     def state_dict(self) -> dict:
         """Aliased: the exact main shard; else the agreed own shard (clones)."""
         assert not self.pending, "checkpoint taken with a parameter update pending"
         return {"spare": self.spare.clone(), "main_aliased": self.main_aliased}
 
-    def load_state_dict(self, sd: dict | None) -> None:
-        """``sd=None`` (a checkpoint written without compressed gathers): the loaded model
-        shard is both agreed and main."""
+    def fits(self, sd: dict) -> bool:
+        """Whether ``sd`` (from :meth:`state_dict`) can be restored here: same shard size,
+        same kind of main weights."""
+        return sd["main_aliased"] == self.main_aliased and tuple(sd["spare"].shape) == tuple(self.spare.shape)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a state that :meth:`fits` (else :meth:`agree_on_model`)."""
+        assert self.fits(sd)
         self.pending = False
-        if sd is None or sd["main_aliased"] != self.main_aliased:
-            self.spare.copy_(self.own)
-            return
-        if sd["spare"].shape != self.spare.shape:
-            raise ValueError(f"param-gather shard of {tuple(sd['spare'].shape)} elements in the checkpoint, "
-                             f"{tuple(self.spare.shape)} here")
         self.spare.copy_(sd["spare"])
         if not self.main_aliased:
             self.own.copy_(self.spare)  # the model shard is the agreed one

@@ -7,6 +7,11 @@ shard)``: each rank encodes ``d = new_own - agreed_own``
 every rank, and the work handle's ``wait()`` applies ``agreed_j += D(Q(d_j))`` to every
 shard ``j`` of the buffer, the owner's included (so every rank ends with bit-identical
 parameters; see :mod:`~loco_megatron.loco.param_delta` for the invariant).
+
+``wait()`` decodes and applies the rows chunk by chunk
+(:meth:`~loco_megatron.loco.param_delta.DeltaLayout.chunks`), so its temporaries do not
+grow with the bucket. The collective goes through a
+:class:`~loco_megatron.loco.collectives.CollectiveOps` (tests record it).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, add_delta, decode_rows, encode_delta
+from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
+from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, add_delta, decode_chunk, encode_delta, row_scales
 from loco_megatron.metrics.comm import WallClock
 
 
@@ -46,24 +52,31 @@ class ParamGatherWork:
             self._work.wait()
         start = self.clock.mark()
         layout = self._layout
-        deltas, finite = decode_rows(self._recv.view(layout.world, layout.row_bytes), layout)
+        recv = self._recv.view(layout.world, layout.row_bytes)
+        scales, finite = row_scales(recv, layout)
         rows = self._buffer.view(layout.world, layout.shard)
+        sums = torch.zeros(2, dtype=torch.float64, device=self._buffer.device)  # ||agreed-new||^2, ||new||^2
         for j in range(layout.world):
-            if j != self._rank:  # rows[j] holds the agreed shard j (only gathers write it)
-                rows[j].copy_(add_delta(rows[j], deltas[j]))
-        new = rows[self._rank]  # the optimizer's update, at the parameter dtype
-        agreed = add_delta(self._shard.agreed(), deltas[self._rank])
-        err = agreed.double() - new.double()
-        self.stats = torch.stack([err.square().sum(), new.double().square().sum(),
-                                  (~finite).sum().double()])
-        self._shard.finish(agreed)
+            for b0, b1, lo, hi in layout.chunks():
+                delta = decode_chunk(recv[j], scales[j], layout, b0, b1, hi - lo)
+                if j != self._rank:  # rows[j] holds the agreed shard j (only gathers write it)
+                    rows[j, lo:hi].copy_(add_delta(rows[j, lo:hi], delta))
+                    continue
+                new = rows[j, lo:hi]  # the optimizer's update, at the parameter dtype
+                agreed = add_delta(self._shard.agreed()[lo:hi], delta)
+                sums[0] += (agreed.double() - new.double()).square().sum()
+                sums[1] += new.double().square().sum()
+                self._shard.finish_slice(lo, hi, agreed)
+        self.stats = torch.cat([sums, (~finite).sum().double().reshape(1)])
+        self._shard.finished()
         self.decompress_marks = (start, self.clock.mark())
         self.done_mark = self.decompress_marks[1]
         self._recv = self._send = None
 
 
 def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout: DeltaLayout, group,
-                                async_op: bool = True, clock=None) -> tuple[ParamGatherWork, int]:
+                                async_op: bool = True, clock=None,
+                                ops: CollectiveOps = TORCH_OPS) -> tuple[ParamGatherWork, int]:
     """Launch the compressed all-gather of flat ``buffer`` (``[W*S]``, parameter dtype)
     over ``group``.
 
@@ -78,7 +91,7 @@ def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout
     send = encode_delta(buffer.view(layout.world, layout.shard)[rank], shard.agreed(), layout)
     recv = torch.empty(layout.gathered_bytes, dtype=torch.uint8, device=buffer.device)
     launch = clock.mark()
-    work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
+    work = ops.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
     handle = ParamGatherWork(work if async_op else None, send, recv, layout, buffer, shard, rank, clock,
                              (start, launch))
     if not async_op:

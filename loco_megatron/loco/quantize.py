@@ -20,14 +20,24 @@ Options (:class:`QuantOptions`, ``--loco-quantizer/-scale/-rotation/-rounding``)
 defaults are exactly the scheme above:
 
 * ``uniform`` quantiser: all ``2**bits`` codes ``q`` in ``[-2**(bits-1), 2**(bits-1)-1]``
-  stand for the levels ``(q + 0.5) * s`` (2 bits: ``+-0.5s, +-1.5s``), with
-  ``s = max|x| / (2**(bits-1) - 0.5)``; nearest rounding is ``q = floor(x / s)``;
+  stand for the levels ``q * s``, one of them exactly 0, with the *signed* scale
+  ``s = -m / 2**(bits-1)`` where ``m`` is the block's element of largest magnitude (the
+  first, on ties): the extra code ``-2**(bits-1)`` lands exactly on ``m``, and the grid
+  reaches ``(2**(bits-1) - 1) * |s|`` on the other side (the scale's sign bit says which
+  side has the extra level, so nothing is added to the wire). Levels in units of
+  ``|m|``, for ``m > 0`` (mirrored for ``m < 0``): 2 bits ``{1, 0.5, 0, -0.5}``; 4 bits
+  ``{1, 7/8, ..., 1/8, 0, -1/8, ..., -7/8}``; 8 bits ``k/128`` for ``k`` in
+  ``[-127, 128]``. Nearest rounding is ``q = round(x / s)`` (half to even) clamped to the
+  code range, so 0 decodes to exactly 0 (a grid of half-integer levels has no zero:
+  nearest rounding sent every exact zero to ``+0.5 s``, a bias that error feedback only
+  hides); elements beyond ``(2**(bits-1) - 1) * |s|`` on the far side of ``m`` clip there
+  (error up to one step);
 * ``mse`` scale: per block, the scale among ``c * s_absmax`` for ``c`` in
   :data:`MSE_CLIP_RATIOS` with the least squared quantisation error (nearest rounding;
   ties keep the larger ``c``); what clipping loses is carried by the error feedback;
 * ``hadamard`` rotation (:mod:`.rotation`): blocks are rotated before quantising and
   unrotated after dequantising; signs from the shared seed, so no side information;
-* ``stochastic`` rounding: ``q = floor(x / s - offset + u) (+ offset)`` with ``u`` in
+* ``stochastic`` rounding: ``q = floor(x / s + u)`` (then clamped) with ``u`` in
   ``[0, 1)`` hashed from ``(key, element index)`` (:func:`noise_key`: seed, stream, step),
   stateless, so reproducible and bit-exact across a resume.
 
@@ -81,11 +91,6 @@ class QuantOptions:
         return [f"--loco-{n} {getattr(self, n)}" for n in ("quantizer", "scale", "rotation", "rounding")
                 if getattr(self, n) != getattr(base, n)]
 
-    @property
-    def offset(self) -> float:
-        """Level of code ``q`` is ``q + offset`` (in units of the scale)."""
-        return 0.5 if self.quantizer == "uniform" else 0.0
-
 
 DEFAULT_OPTIONS = QuantOptions()
 
@@ -135,12 +140,13 @@ def divide_(t: torch.Tensor, d: float) -> torch.Tensor:
 
 
 def divisor(scales: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, 1]`` divisor for :func:`round_codes_`: ``s``, or ``+inf`` where ``s == 0``.
+    """``[num_blocks, 1]`` divisor for :func:`round_codes_`: ``s``, or ``+inf`` where ``s == 0``
+    (the uniform grid's scales are signed).
 
     ``x / inf == 0`` for every finite ``x``, so an all-zero (or underflowed) block gets
     codes 0 without a select over the whole block.
     """
-    return torch.where(scales > 0, scales, torch.full_like(scales, float("inf"))).unsqueeze(1)
+    return torch.where(scales != 0, scales, torch.full_like(scales, float("inf"))).unsqueeze(1)
 
 
 def round_codes_(blocks: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
@@ -232,42 +238,48 @@ def code_range(bits: int, opts: QuantOptions) -> tuple[int, int]:
 
 
 def top_level(bits: int, opts: QuantOptions) -> float:
-    """Largest level magnitude in units of the scale (absmax maps onto it)."""
-    return 2 ** (bits - 1) - 0.5 if opts.quantizer == "uniform" else qmax(bits)
+    """Level magnitude, in units of the scale, that the block's largest magnitude maps onto."""
+    return 2 ** (bits - 1) if opts.quantizer == "uniform" else qmax(bits)
 
 
 def levels_(blocks: torch.Tensor, scales: torch.Tensor, bits: int, opts: QuantOptions, out: torch.Tensor,
             noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Float levels ``L = q + offset`` of fp32 blocks into ``out`` (returned), so that
-    ``D = L * s``. ``noise``: fp32 ``[0, 1)`` of the blocks' shape for stochastic rounding.
+    """Float levels (integer codes ``q``) of fp32 blocks into ``out`` (returned), so that
+    ``D = q * s``. ``noise``: fp32 ``[0, 1)`` of the blocks' shape for stochastic rounding.
     Symmetric with nearest rounding is exactly :func:`round_codes_`."""
     if opts.quantizer == "symmetric" and noise is None:
         return round_codes_(blocks, scales, bits, out)
     lo, hi = code_range(bits, opts)
     torch.div(blocks, divisor(scales), out=out)
-    if noise is not None:
-        out.sub_(opts.offset).add_(noise)
-    out.floor_().clamp_(lo, hi).nan_to_num_(0.0)
-    return out.add_(opts.offset) if opts.offset else out
+    if noise is None:
+        out.round_()
+    else:
+        out.add_(noise).floor_()
+    return out.clamp_(lo, hi).nan_to_num_(0.0)
 
 
 def level_codes(levels: torch.Tensor, opts: QuantOptions) -> torch.Tensor:
-    """int8 signed codes of float levels (exact: levels are integers or half-integers)."""
-    return (levels - opts.offset if opts.offset else levels).to(torch.int8)
+    """int8 signed codes of float levels (exact: levels are integers)."""
+    return levels.to(torch.int8)
 
 
 def dequant_codes(q: torch.Tensor, scales: torch.Tensor, opts: QuantOptions, out=None) -> torch.Tensor:
-    """fp32 ``[n, B]`` values ``(q + offset) * s`` of int8 codes ``[n, B]`` and scales ``[n]``."""
-    s = scales.float().unsqueeze(1)
-    if opts.offset:
-        return torch.add(q, opts.offset, out=out).mul_(s)
-    return torch.mul(q, s, out=out)
+    """fp32 ``[n, B]`` values ``q * s`` of int8 codes ``[n, B]`` and scales ``[n]``."""
+    return torch.mul(q, scales.float().unsqueeze(1), out=out)
+
+
+def _signed_extreme(blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[n]``: each block's element of largest magnitude, with its sign (NaN wins)."""
+    return blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.Tensor:
-    """fp32 ``[n]`` scales of fp32 ``[n, B]`` blocks for ``opts`` (NaN/Inf propagate).
-    Default options: exactly :func:`block_scales`."""
-    base = divide_(blocks.abs().amax(dim=1), top_level(bits, opts))
+    """fp32 ``[n]`` scales of fp32 ``[n, B]`` blocks for ``opts`` (NaN/Inf propagate;
+    uniform: signed, see the module docstring). Default options: exactly :func:`block_scales`."""
+    if opts.quantizer == "uniform":
+        base = divide_(_signed_extreme(blocks), -top_level(bits, opts))
+    else:
+        base = divide_(blocks.abs().amax(dim=1), top_level(bits, opts))
     if opts.scale == "absmax":
         return base
     nearest = dataclasses.replace(opts, rounding="nearest")

@@ -202,8 +202,11 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             tp_replicated_params(chunks, config.parallel.sequence_parallel, chunks[0].config.qk_layernorm),
             parallel_state.get_tensor_model_parallel_group(), getattr(grad_sync, "ops", TORCH_OPS))
     _configure_schedules(chunks, optimizer, replicas)
-    if layout.is_logging_rank and hasattr(grad_sync, "memory_report") and config.loco.enabled:
-        print(_loco_memory_line(grad_sync.memory_report()), flush=True)
+    if layout.is_logging_rank:
+        line = _memory_line(grad_sync if config.loco.enabled else None,
+                            param_sync if config.loco.param_gather_bits else None)
+        if line:
+            print(line, flush=True)
     profiler = Profiler(config.logging, layout.rank, device)
     profiler.instrument(chunks, grad_sync)
     throughput = throughput_for(config.model, vocab, layout.world_size, device, config.logging.peak_tflops)
@@ -308,8 +311,25 @@ def _rank0_print(is_logging_rank: bool) -> Callable[[str], None]:
     return (lambda line: print(line, flush=True)) if is_logging_rank else (lambda line: None)
 
 
-def _loco_memory_line(mem: dict) -> str:
-    """One start-up line: LoCo's persistent and transient bytes on this rank."""
+def _memory_line(grad_sync, param_sync) -> str:
+    """One start-up line: what LoCo (``grad_sync``) and the compressed parameter gather
+    (``param_sync``) keep and need at most on this rank ("" when neither is on)."""
+    parts = []
+    if hasattr(grad_sync, "memory_report"):
+        parts.append(_loco_memory_part(grad_sync.memory_report()))
+    if hasattr(param_sync, "memory_report"):
+        mem = param_sync.memory_report()
+        if mem["params"]:
+            per = lambda b: b / mem["params"]  # noqa: E731
+            parts.append(f"param gather memory on rank 0: agreed copy {mem['persistent'] / 2**20:.1f} MiB "
+                         f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
+                         f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} parameter elements")
+        else:
+            parts.append("param gather: no data-parallel group of more than one rank here: parameters are exact")
+    return "; ".join(parts)
+
+
+def _loco_memory_part(mem: dict) -> str:
     if not mem["params"]:
         return "LoCo: no data-parallel group of more than one rank here: gradients are synced exactly, uncompressed"
     per = lambda b: b / mem["params"]  # noqa: E731

@@ -373,7 +373,10 @@ class GradSyncHook:
         state does not fit this run (another data-parallel layout, flat vs two-hop,
         --loco-bits/--loco-block-size/--loco-error-bits, error feedback on/off), the
         error buffers start from zero - what --loco-reset-interval does anyway - and one
-        line says so: never a silent mismatch, never a crash."""
+        line says so: never a silent mismatch, never a crash. ``None``: the checkpoint
+        was written under another layout (the loader said so): the buffers stay at zero."""
+        if sd is None:
+            return
         why = None
         if sd and not self.compressors:
             self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")

@@ -23,16 +23,24 @@ last gather (not stepped yet, a skipped step, a repeated forced sync) sends noth
 every rank knows this from program order alone.
 
 Install it *before* :class:`~loco_megatron.loco.hooks.grad_sync.GradSyncHook`, which then
-times this method like megatron's own.
+times this method like megatron's own. Its all-gathers go through the
+:class:`~loco_megatron.loco.collectives.CollectiveOps` it is given, like LoCo's.
+
+Checkpoints: the spare shards are per-rank state. Whenever they cannot be used (another
+layout, other buckets, written without --param-gather-bits, another parameter dtype)
+:meth:`ParamGatherHook.load_state_dict` takes the loaded model as the agreed parameters
+(one line): the spare shards were cloned from the *initial* weights at construction.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
+from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout
 from loco_megatron.loco.param_gather import compressed_param_all_gather
@@ -60,11 +68,14 @@ class _GroupWork:
 
 class ParamGatherHook:
     """Compressed (or counted) parameter all-gather for every bucket group of ``ddp_models``;
-    wraps ``optimizer.step``. Checkpointable (the agreed/main spare shards)."""
+    wraps ``optimizer.step``. Checkpointable (the agreed/main spare shards). ``ops``: the
+    collectives it issues; ``log``: one line (rank 0 prints by default)."""
 
-    def __init__(self, ddp_models: list, optimizer, loco: LoCoConfig, stats: CommStats):
+    def __init__(self, ddp_models: list, optimizer, loco: LoCoConfig, stats: CommStats,
+                 ops: CollectiveOps = TORCH_OPS, log: Optional[Callable[[str], None]] = None):
         check_megatron_core_version()
-        self.bits, self.stats = loco.param_gather_bits, stats
+        self.bits, self.stats, self._ops = loco.param_gather_bits, stats, ops
+        self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
         self.shards: dict[str, AgreedShard] = {}
         self._layouts: dict[str, DeltaLayout] = {}
         self._buckets: dict[str, object] = {}
@@ -153,7 +164,7 @@ class ParamGatherHook:
         works, sent = [], 0
         for bucket, key in zip(group.buckets, keys):
             work, nbytes = compressed_param_all_gather(bucket.param_data, self.shards[key], self._layouts[key], comm,
-                                                       async_op=async_op, clock=self.stats.clock)
+                                                       async_op=async_op, clock=self.stats.clock, ops=self._ops)
             works.append(work)
             sent += nbytes
         self.stats.add_param_bytes(sent, raw)
@@ -172,15 +183,52 @@ class ParamGatherHook:
                 f"--param-gather-bits: a non-finite parameter update (the optimizer's main weights are "
                 f"NaN/Inf) was withheld from the model weights before iteration {iteration}; stopping")
 
+    def memory_report(self) -> dict:
+        """This rank's memory for the compressed gather, in bytes: ``persistent`` (the agreed
+        or exact-main copy of its own shard of every bucket: ``element_size / DP`` per
+        parameter), ``transient`` (at most, during a gather: every bucket's wire rows, which
+        may all be in flight at once with --overlap-param-gather, plus one chunk's encode or
+        decode temporaries) and ``params`` (elements gathered compressed)."""
+        persistent = sum(s.spare.numel() * s.spare.element_size() for s in self.shards.values())
+        wire = sum(lay.transient_bytes() - lay.chunk_temp_bytes() for lay in self._layouts.values())
+        chunk = max((lay.chunk_temp_bytes() for lay in self._layouts.values()), default=0)
+        return {"persistent": persistent, "transient": wire + chunk,
+                "params": sum(lay.numel for lay in self._layouts.values())}
+
     # -- checkpointing: the spare shard of every bucket ---------------------------------
     def state_dict(self) -> dict:
         return {key: s.state_dict() for key, s in self.shards.items()}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
-        """An empty ``sd`` (written with --param-gather-bits 0): agreed = loaded params."""
-        sd = sd or {}
-        if sd and set(sd) != set(self.shards) and self.shards:
-            raise ValueError("param-gather state in the checkpoint does not match this run's buckets "
-                             f"({len(sd)} saved, {len(self.shards)} here)")
-        for key, shard in self.shards.items():
-            shard.load_state_dict(sd.get(key))
+        """Restore every bucket's spare shard - after the model (and optimizer) were loaded.
+
+        When the checkpoint's state cannot be used here (``None``: written under another
+        parallel layout; empty: written with --param-gather-bits 0; other buckets, e.g.
+        another --ddp-bucket-size; another parameter dtype), the loaded model becomes the
+        agreed parameters on every rank, and one line says so. Its weights are the agreed
+        ones every rank computed with, so the ranks stay bit-identical; an fp32 model loses
+        only the exact main weights' last unsent update."""
+        if not self.shards:
+            if sd:
+                self._log("--param-gather-bits: off (or nothing to gather) in this run: the checkpoint's "
+                          "agreed-parameter state is not used")
+            return
+        why = None
+        if sd is None:
+            why = "it was written under another parallel layout"
+        elif not sd:
+            why = "it was written without --param-gather-bits"
+        elif set(sd) != set(self.shards):
+            why = f"its buckets differ ({len(sd)} saved, {len(self.shards)} here: another --ddp-bucket-size?)"
+        else:
+            bad = next((k for k, s in self.shards.items() if not s.fits(sd[k])), None)
+            if bad is not None:
+                why = f"{bad} has another size or parameter dtype"
+        if why is None:
+            for key, shard in self.shards.items():
+                shard.load_state_dict(sd[key])
+            return
+        for shard in self.shards.values():
+            shard.agree_on_model()
+        self._log(f"--param-gather-bits: the checkpoint's agreed-parameter state does not fit this run ({why}); "
+                  f"the loaded model is the agreed parameters")
