@@ -46,7 +46,9 @@ def main(dump: pathlib.Path, argv: list) -> None:
 
     def sharded_state_dict(opt, model_sd, is_loading):
         sd = original_sd(opt, model_sd, is_loading)
-        keys.update({p: f"{sh.key}@{sh.global_offset}" for p, sh in dist_optimizer._model_meta(model_sd).items()})
+        # Stacked layers share a key: the first part's global offset tells them apart.
+        keys.update({p: f"{sh.key}@{dist_optimizer._chunks(sh)[0][0].global_offset}"
+                     for p, sh in dist_optimizer._model_meta(model_sd).items()})
         if not is_loading:
             torch.save({"slices": _slices(opt, keys), "writer_bytes": _writer_bytes(sd),
                         "own_bytes": dist_optimizer.own_state_bytes(opt),
