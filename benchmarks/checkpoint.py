@@ -3,7 +3,7 @@
 long the training loop is blocked by a synchronous vs an --async-save save; then the
 torch_dist save's and load's peak memory per rank next to the rank's own optimizer state.
 
-    python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each
+    python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each; memory at DP2
     python benchmarks/checkpoint.py            # tiny + larger CPU model, 3 saves each
 
 Each variant is a real run of ``pretrain_gpt.py`` on 2 CPU ranks (DP2, distributed
@@ -146,7 +146,7 @@ def measure_memory(model_args: list, dp: int, cache: str) -> list[dict]:
                  **json.loads((tmp / f"load.rank{r}.json").read_text())} for r in range(dp)]
 
 
-def memory_table(models: dict, cache: str) -> None:
+def memory_table(models: dict, cache: str, dps: tuple) -> None:
     mib = 2 ** 20
     print("\nPeak extra resident memory per rank during a torch_dist save / load (synchronous), "
           "next to the rank's own optimizer state\n")
@@ -155,7 +155,7 @@ def memory_table(models: dict, cache: str) -> None:
           "load extra (B/param) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name, model_args in models.items():
-        for dp in (2, 4):
+        for dp in dps:
             params = None
             for rank, r in enumerate(measure_memory(model_args, dp, cache)):
                 own, save, load = r["save"]["own"], r["save"]["extra"], r["load"]["extra"]
@@ -184,8 +184,9 @@ def main() -> None:
     rows = ["| model | format | blocked per save (s) | vs torch | write (s) | vs torch | load (s) | vs torch "
             "| bytes/param | vs torch |", "|---|---|---|---|---|---|---|---|---|---|"]
     memory_models = {k: v for k, v in MODELS.items() if k.startswith("tiny" if args.smoke else "larger")}
+    dps = (2,) if args.smoke else (2, 4)
     if args.memory_only:
-        memory_table(memory_models, cache)
+        memory_table(memory_models, cache, dps)
         return
     print(f"2 CPU ranks (DP2), {iters} steps, a save every 2 steps; means over the saves\n")
     print("\n".join(rows), flush=True)
@@ -199,7 +200,7 @@ def main() -> None:
                         f"{r['write_s'] / base['write_s']:.2f} | {r['load_s']:.3f} | {r['load_s'] / base['load_s']:.2f} | "
                         f"{r['bytes_per_param']:.2f} | {r['bytes_per_param'] / base['bytes_per_param']:.2f} |")
             print(rows[-1], flush=True)
-    memory_table(memory_models, cache)
+    memory_table(memory_models, cache, dps)
 
 
 if __name__ == "__main__":

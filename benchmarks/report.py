@@ -293,7 +293,10 @@ def checkpoint_section(res: pathlib.Path) -> list[str]:
             "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
             "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
             "training loop is blocked per save, until the save is committed, loading, and bytes",
-            "on disk per parameter.", "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
+            "on disk per parameter. Then each rank's peak extra resident memory while it saves",
+            "and loads a torch_dist checkpoint, at DP2 and DP4, next to its own share of the",
+            "distributed optimizer's state (each rank writes and reads only its own slices).",
+            "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
             "python benchmarks/report.py --results results --sections checkpoint", "```", "",
             (res / "checkpoint.txt").read_text().strip(), ""]
 
