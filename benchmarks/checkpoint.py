@@ -3,8 +3,10 @@
 long the training loop is blocked by a synchronous vs an --async-save save; then the
 torch_dist save's and load's peak memory per rank next to the rank's own optimizer state.
 
-    python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each; memory at DP2
+    python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each
     python benchmarks/checkpoint.py            # tiny + larger CPU model, 3 saves each
+    python benchmarks/checkpoint.py --memory   # peak memory per rank, larger model, DP2 and DP4
+                                               # (--smoke --memory: tiny model, DP2)
 
 Each variant is a real run of ``pretrain_gpt.py`` on 2 CPU ranks (DP2, distributed
 optimizer) saving every 2 steps, then a run that only loads the last checkpoint. Times
@@ -175,7 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model, one save per variant")
     ap.add_argument("--data-cache-path", default=None)
-    ap.add_argument("--memory-only", action="store_true", help="only the memory table")
+    ap.add_argument("--memory", action="store_true", help="the memory table instead of the timings")
     args = ap.parse_args()
     cache = args.data_cache_path or str(pathlib.Path.home() / ".cache" / "loco_megatron")
     models = {k: v for k, v in MODELS.items() if k.startswith("tiny")} if args.smoke else MODELS
@@ -185,7 +187,7 @@ def main() -> None:
             "| bytes/param | vs torch |", "|---|---|---|---|---|---|---|---|---|---|"]
     memory_models = {k: v for k, v in MODELS.items() if k.startswith("tiny" if args.smoke else "larger")}
     dps = (2,) if args.smoke else (2, 4)
-    if args.memory_only:
+    if args.memory:
         memory_table(memory_models, cache, dps)
         return
     print(f"2 CPU ranks (DP2), {iters} steps, a save every 2 steps; means over the saves\n")
@@ -200,7 +202,6 @@ def main() -> None:
                         f"{r['write_s'] / base['write_s']:.2f} | {r['load_s']:.3f} | {r['load_s'] / base['load_s']:.2f} | "
                         f"{r['bytes_per_param']:.2f} | {r['bytes_per_param'] / base['bytes_per_param']:.2f} |")
             print(rows[-1], flush=True)
-    memory_table(memory_models, cache, dps)
 
 
 if __name__ == "__main__":

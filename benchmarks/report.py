@@ -14,7 +14,8 @@ from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
     python benchmarks/report.py --results results --sections 2bit
 
 rewrites only that section of an existing page (``--sections checkpoint``: the
-checkpoint section, from ``RESULTS/checkpoint.txt``).
+checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections checkpoint_memory``:
+from ``RESULTS/checkpoint_memory.txt``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def main() -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--sections", choices=["all", *PARTIAL], default="all",
-                    help="2bit / checkpoint: replace only that section of the existing --out page")
+                    help="2bit / checkpoint / checkpoint_memory: replace only that section of the existing --out page")
     args = ap.parse_args()
     res, out = pathlib.Path(args.results), pathlib.Path(args.out)
     if args.sections != "all":
@@ -234,6 +235,7 @@ def main() -> None:
         *optional_sections(res),
         *checkpoint_section(res),
         *two_bit_section(res),
+        *checkpoint_memory_section(res),
         "## What the numbers mean",
         "",
         "- LoCo compresses the gradient reduce-scatter. With the distributed optimizer the",
@@ -282,6 +284,7 @@ def optional_sections(res: pathlib.Path) -> list[str]:
 
 
 CHECKPOINT_HEADING = "## 6. Checkpoints (`benchmarks/checkpoint.py`)"
+CHECKPOINT_MEMORY_HEADING = "## 8. Checkpoint memory (`benchmarks/checkpoint.py --memory`)"
 TWO_BIT_HEADING = "## 7. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
 
 
@@ -293,12 +296,22 @@ def checkpoint_section(res: pathlib.Path) -> list[str]:
             "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
             "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
             "training loop is blocked per save, until the save is committed, loading, and bytes",
-            "on disk per parameter. Then each rank's peak extra resident memory while it saves",
-            "and loads a torch_dist checkpoint, at DP2 and DP4, next to its own share of the",
-            "distributed optimizer's state (each rank writes and reads only its own slices).",
-            "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
+            "on disk per parameter.", "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
             "python benchmarks/report.py --results results --sections checkpoint", "```", "",
             (res / "checkpoint.txt").read_text().strip(), ""]
+
+
+def checkpoint_memory_section(res: pathlib.Path) -> list[str]:
+    """Section 8 from RESULTS/checkpoint_memory.txt (``benchmarks/checkpoint.py --memory``)."""
+    if not (res / "checkpoint_memory.txt").is_file():
+        return []
+    return [CHECKPOINT_MEMORY_HEADING, "",
+            "Each rank's peak extra resident memory while it saves and loads a torch_dist checkpoint,",
+            "next to its own share of the distributed optimizer's state: every data-parallel rank",
+            "writes and reads only the slices it owns (no gather of the replica).", "", "```bash",
+            "python benchmarks/checkpoint.py --memory > results/checkpoint_memory.txt",
+            "python benchmarks/report.py --results results --sections checkpoint_memory", "```", "",
+            (res / "checkpoint_memory.txt").read_text().strip(), ""]
 
 
 def _quality_rows(md: str) -> dict[str, list[str]]:
@@ -347,7 +360,9 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
 
 
 PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
-           "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)")}
+           "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)"),
+           "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,
+                                 "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
 
 
