@@ -288,30 +288,32 @@ CHECKPOINT_MEMORY_HEADING = "## 8. Checkpoint memory (`benchmarks/checkpoint.py 
 TWO_BIT_HEADING = "## 7. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
 
 
+def _script_output_section(res: pathlib.Path, name: str, heading: str, intro: list[str], command: str,
+                           section: str) -> list[str]:
+    """A section that shows RESULTS/``name`` (the output of ``command``) under ``intro``."""
+    if not (res / name).is_file():
+        return []
+    return [heading, "", *intro, "", "```bash", f"{command} > results/{name}",
+            f"python benchmarks/report.py --results results --sections {section}", "```", "",
+            (res / name).read_text().strip(), ""]
+
+
 def checkpoint_section(res: pathlib.Path) -> list[str]:
     """Section 6 from RESULTS/checkpoint.txt (``benchmarks/checkpoint.py``) when present."""
-    if not (res / "checkpoint.txt").is_file():
-        return []
-    return [CHECKPOINT_HEADING, "",
-            "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
-            "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
-            "training loop is blocked per save, until the save is committed, loading, and bytes",
-            "on disk per parameter.", "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
-            "python benchmarks/report.py --results results --sections checkpoint", "```", "",
-            (res / "checkpoint.txt").read_text().strip(), ""]
+    return _script_output_section(res, "checkpoint.txt", CHECKPOINT_HEADING, [
+        "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
+        "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
+        "training loop is blocked per save, until the save is committed, loading, and bytes",
+        "on disk per parameter."], "python benchmarks/checkpoint.py", "checkpoint")
 
 
 def checkpoint_memory_section(res: pathlib.Path) -> list[str]:
     """Section 8 from RESULTS/checkpoint_memory.txt (``benchmarks/checkpoint.py --memory``)."""
-    if not (res / "checkpoint_memory.txt").is_file():
-        return []
-    return [CHECKPOINT_MEMORY_HEADING, "",
-            "Each rank's peak extra resident memory while it saves and loads a torch_dist checkpoint,",
-            "next to its own share of the distributed optimizer's state: every data-parallel rank",
-            "writes and reads only the slices it owns (no gather of the replica).", "", "```bash",
-            "python benchmarks/checkpoint.py --memory > results/checkpoint_memory.txt",
-            "python benchmarks/report.py --results results --sections checkpoint_memory", "```", "",
-            (res / "checkpoint_memory.txt").read_text().strip(), ""]
+    return _script_output_section(res, "checkpoint_memory.txt", CHECKPOINT_MEMORY_HEADING, [
+        "Each rank's peak extra resident memory while it saves and loads a torch_dist checkpoint,",
+        "next to its own share of the distributed optimizer's state: every data-parallel rank",
+        "writes and reads only the slices it owns (no gather of the replica)."],
+        "python benchmarks/checkpoint.py --memory", "checkpoint_memory")
 
 
 def _quality_rows(md: str) -> dict[str, list[str]]:
