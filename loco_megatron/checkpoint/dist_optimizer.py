@@ -20,6 +20,7 @@ whichever saved chunks overlap, which is what makes any DP/TP/PP/EP change bit-e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator
 
@@ -131,19 +132,18 @@ def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
     the blocks of this rank's own slice of every parameter it holds state for. Saving
     passes one copy of the rank's own slices (the writer may still be reading them while
     training goes on under --async-save); loading, empty buffers of the same size."""
-    import dataclasses
-
     meta = _model_meta(model_sd)
     params = {}
     for i, (param, start, end) in enumerate(owned_slices(opt)):
         tensors = None if is_loading else state_tensors(opt, param)
+        pieces = list(_pieces(meta[param], start, end))
         entry = {}
         for key, name in _KEYS:
             staging = (torch.empty(end - start, dtype=torch.float32) if is_loading
                        else tensors[key].clone())
             entry[name] = [dataclasses.replace(m, key=f"optimizer.state.{name}.{m.key}",
                                                data=staging[flat - start:flat - start + math.prod(shape)].view(shape))
-                           for m, shape, flat in _pieces(meta[param], start, end)]
+                           for m, shape, flat in pieces]
         params[i] = entry
     # Common state comes from rank 0's common.pt at load (a fresh optimizer has none to describe).
     return {"common": None if is_loading else opt.state_dict(), "params": params}
