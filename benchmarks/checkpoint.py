@@ -1,15 +1,27 @@
 #!/usr/bin/env python3
 """Checkpoint cost per format: save and load time, bytes on disk per parameter, and how
-long the training loop is blocked by a synchronous vs an --async-save save.
+long the training loop is blocked by a synchronous vs an --async-save save; then the
+torch_dist save's and load's peak memory per rank next to the rank's own optimizer state.
 
     python benchmarks/checkpoint.py --smoke    # tiny model, torch vs torch_dist async, one save each
     python benchmarks/checkpoint.py            # tiny + larger CPU model, 3 saves each
+    python benchmarks/checkpoint.py --memory   # peak memory per rank, larger model, DP2 and DP4
+                                               # (--smoke --memory: tiny model, DP2)
 
 Each variant is a real run of ``pretrain_gpt.py`` on 2 CPU ranks (DP2, distributed
 optimizer) saving every 2 steps, then a run that only loads the last checkpoint. Times
 come from the runs' own metrics (``ckpt/blocking_s``: training loop blocked per save;
 ``ckpt/write_s``: from the save's start until it is committed; ``ckpt/load_s``); means
 over the saves. Ratios are to the ``torch`` format (per-rank files) of the same model.
+
+Memory: the larger model (the tiny one with --smoke) under DP2 and DP4 saves once with
+torch_dist (synchronous), then a run loads it. Each rank samples its own resident set
+(every millisecond, plus the process's peak from getrusage when the call set a new one)
+during ``Checkpointer.save`` and ``Checkpointer.load``; "extra" is that peak minus the
+resident set just before the call. "own" is the rank's share of the distributed
+optimizer's state (fp32 main params + two Adam moments of the elements it owns). Writer
+processes megatron may fork are not counted. The bound is the one the checkpoint code
+aims at: 2 x own + 64 MiB.
 """
 
 from __future__ import annotations
@@ -41,9 +53,10 @@ VARIANTS = {
 }
 
 
-def _run(args: list, metrics: pathlib.Path, cache: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "pretrain_gpt.py"), *args, "--micro-batch-size", "2", "--global-batch-size", "4",
+def _run(args: list, metrics: pathlib.Path, cache: str, nproc: int = 2, script: tuple = ("pretrain_gpt.py",)
+         ) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / script[0]), *script[1:], *args, "--micro-batch-size", "2", "--global-batch-size", str(2 * nproc),
            "--lr-warmup-iters", "1", "--eval-interval", "0", "--log-interval", "100",
            "--data-cache-path", cache, "--metrics-jsonl", str(metrics)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -74,10 +87,97 @@ def measure(model_args: list, variant: list, iters: int, cache: str) -> dict:
             "load_s": _mean(loaded, "ckpt/load_s"), "bytes_per_param": size / params, "params": params}
 
 
+def _probe(out: str, argv: list) -> None:
+    """Under torchrun: pretrain_gpt.py with Checkpointer.save/load measured (see the docstring)."""
+    import resource
+    import threading
+    import time
+    import warnings
+
+    import psutil
+    import torch.distributed as dist
+
+    from loco_megatron.checkpoint import Checkpointer, dist_optimizer
+    from loco_megatron.cli import main_config
+    from loco_megatron.training.state import sub_optimizers
+    from loco_megatron.training.trainer import train
+
+    warnings.filterwarnings("ignore")
+    proc, record = psutil.Process(), {}
+
+    def measured(name: str, fn):
+        def wrapper(self, arg, stateful):
+            own = sum(dist_optimizer.own_state_bytes(o) for o in sub_optimizers(stateful["optimizer"].optimizer)
+                      if hasattr(o, "gbuf_ranges"))
+            before, max_before = proc.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak, done = [before], threading.Event()
+
+            def sample():
+                while not done.wait(0.001):
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            try:
+                return fn(self, arg, stateful)
+            finally:
+                done.set()
+                sampler.join()
+                max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                if max_after > max_before:  # a new lifetime peak (KiB on Linux): exact, not sampled
+                    peak[0] = max(peak[0], max_after * 1024)
+                record[name] = {"extra": peak[0] - before, "own": own, "before": before}
+                pathlib.Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        return wrapper
+
+    Checkpointer.save = measured("save", Checkpointer.save)
+    Checkpointer.load = measured("load", Checkpointer.load)
+    config, env = main_config(argv)
+    train(config, env)
+
+
+def measure_memory(model_args: list, dp: int, cache: str) -> list[dict]:
+    """Per rank: {"save"/"load": {"extra", "own", "before"}} in bytes (sync torch_dist)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp, ck = pathlib.Path(tmp), pathlib.Path(tmp) / "ck"
+        args = [*model_args, "--ckpt-format", "torch_dist", "--train-iters", "2", "--lr-decay-iters", "2"]
+        for phase, extra in (("save", ["--save", str(ck), "--save-interval", "2"]), ("load", ["--load", str(ck)])):
+            _run(args + extra, tmp / f"{phase}.jsonl", cache, dp,
+                 ("benchmarks/checkpoint.py", "--probe", str(tmp / phase)))
+        return [{**json.loads((tmp / f"save.rank{r}.json").read_text()),
+                 **json.loads((tmp / f"load.rank{r}.json").read_text())} for r in range(dp)]
+
+
+def memory_table(models: dict, cache: str, dps: tuple) -> None:
+    mib = 2 ** 20
+    print("\nPeak extra resident memory per rank during a torch_dist save / load (synchronous), "
+          "next to the rank's own optimizer state\n")
+    print("| model | layout | rank | own optimizer state (MiB) | save: peak extra (MiB) | save / own | "
+          "load: peak extra (MiB) | load / own | bound 2 x own + 64 (MiB) | save extra (B/param) | "
+          "load extra (B/param) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for name, model_args in models.items():
+        for dp in dps:
+            params = None
+            for rank, r in enumerate(measure_memory(model_args, dp, cache)):
+                own, save, load = r["save"]["own"], r["save"]["extra"], r["load"]["extra"]
+                params = params or _params(model_args)
+                print(f"| {name} ({params / 1e6:.2f}M params) | DP{dp} | {rank} | {own / mib:.1f} | "
+                      f"{save / mib:.1f} | {save / own:.2f} | {load / mib:.1f} | {load / own:.2f} | "
+                      f"{(2 * own + 64 * mib) / mib:.1f} | {save / params:.1f} | {load / params:.1f} |", flush=True)
+
+
+def _params(model_args: list) -> int:
+    values = dict(zip([a.lstrip("-").replace("-", "_") for a in model_args[::2]], model_args[1::2]))
+    config = make_config({k: int(v) for k, v in values.items()})
+    return parameter_count(config.model, padded_vocab_size(config.data.vocab_size, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model, one save per variant")
     ap.add_argument("--data-cache-path", default=None)
+    ap.add_argument("--memory", action="store_true", help="the memory table instead of the timings")
     args = ap.parse_args()
     cache = args.data_cache_path or str(pathlib.Path.home() / ".cache" / "loco_megatron")
     models = {k: v for k, v in MODELS.items() if k.startswith("tiny")} if args.smoke else MODELS
@@ -85,6 +185,11 @@ def main() -> None:
     variants = {k: VARIANTS[k] for k in ("torch", "torch_dist async")} if args.smoke else VARIANTS
     rows = ["| model | format | blocked per save (s) | vs torch | write (s) | vs torch | load (s) | vs torch "
             "| bytes/param | vs torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    memory_models = {k: v for k, v in MODELS.items() if k.startswith("tiny" if args.smoke else "larger")}
+    dps = (2,) if args.smoke else (2, 4)
+    if args.memory:
+        memory_table(memory_models, cache, dps)
+        return
     print(f"2 CPU ranks (DP2), {iters} steps, a save every 2 steps; means over the saves\n")
     print("\n".join(rows), flush=True)
     for name, model_args in models.items():
@@ -100,4 +205,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--probe"]:
+        _probe(sys.argv[2], sys.argv[3:])
+    else:
+        main()

@@ -14,9 +14,9 @@ from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
     python benchmarks/report.py --results results --sections 2bit
 
 rewrites only that section of an existing page (``--sections checkpoint``: the
-checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections gpu``: the GPU
-check, from ``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh``
-writes).
+checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections checkpoint_memory``:
+from ``RESULTS/checkpoint_memory.txt``; ``--sections gpu``: the GPU check, from
+``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh`` writes).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--sections", choices=["all", *PARTIAL], default="all",
-                    help="2bit / checkpoint: replace only that section of the existing --out page")
+                    help="2bit / checkpoint / checkpoint_memory: replace only that section of the existing --out page")
     args = ap.parse_args()
     res, out = pathlib.Path(args.results), pathlib.Path(args.out)
     if args.sections != "all":
@@ -227,13 +227,14 @@ def main() -> None:
         kernels.strip(),
         "```",
         "",
-        "GPU (fused Triton kernels, `--loco-kernels triton`): section 8, when a GPU check",
+        "GPU (fused Triton kernels, `--loco-kernels triton`): section 9, when a GPU check",
         "ran (`bash benchmarks/gpu_check.sh`); on CPU the kernels are checked for",
         "bit-compatibility with the reference under `TRITON_INTERPRET=1`.",
         "",
         *optional_sections(res),
         *checkpoint_section(res),
         *two_bit_section(res),
+        *checkpoint_memory_section(res),
         *gpu_section(res),
         "## What the numbers mean",
         "",
@@ -283,20 +284,36 @@ def optional_sections(res: pathlib.Path) -> list[str]:
 
 
 CHECKPOINT_HEADING = "## 6. Checkpoints (`benchmarks/checkpoint.py`)"
+CHECKPOINT_MEMORY_HEADING = "## 8. Checkpoint memory (`benchmarks/checkpoint.py --memory`)"
 TWO_BIT_HEADING = "## 7. 2-bit quantiser options (`benchmarks/quality.py --variants 2bit`)"
+
+
+def _script_output_section(res: pathlib.Path, name: str, heading: str, intro: list[str], command: str,
+                           section: str) -> list[str]:
+    """A section that shows RESULTS/``name`` (the output of ``command``) under ``intro``."""
+    if not (res / name).is_file():
+        return []
+    return [heading, "", *intro, "", "```bash", f"{command} > results/{name}",
+            f"python benchmarks/report.py --results results --sections {section}", "```", "",
+            (res / name).read_text().strip(), ""]
 
 
 def checkpoint_section(res: pathlib.Path) -> list[str]:
     """Section 6 from RESULTS/checkpoint.txt (``benchmarks/checkpoint.py``) when present."""
-    if not (res / "checkpoint.txt").is_file():
-        return []
-    return [CHECKPOINT_HEADING, "",
-            "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
-            "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
-            "training loop is blocked per save, until the save is committed, loading, and bytes",
-            "on disk per parameter.", "", "```bash", "python benchmarks/checkpoint.py > results/checkpoint.txt",
-            "python benchmarks/report.py --results results --sections checkpoint", "```", "",
-            (res / "checkpoint.txt").read_text().strip(), ""]
+    return _script_output_section(res, "checkpoint.txt", CHECKPOINT_HEADING, [
+        "Per-rank files (`--ckpt-format torch`) against megatron-core dist_checkpointing",
+        "(`torch_dist`, reshardable), synchronous and with `--async-save`: how long the",
+        "training loop is blocked per save, until the save is committed, loading, and bytes",
+        "on disk per parameter."], "python benchmarks/checkpoint.py", "checkpoint")
+
+
+def checkpoint_memory_section(res: pathlib.Path) -> list[str]:
+    """Section 8 from RESULTS/checkpoint_memory.txt (``benchmarks/checkpoint.py --memory``)."""
+    return _script_output_section(res, "checkpoint_memory.txt", CHECKPOINT_MEMORY_HEADING, [
+        "Each rank's peak extra resident memory while it saves and loads a torch_dist checkpoint,",
+        "next to its own share of the distributed optimizer's state: every data-parallel rank",
+        "writes and reads only the slices it owns (no gather of the replica)."],
+        "python benchmarks/checkpoint.py --memory", "checkpoint_memory")
 
 
 def _quality_rows(md: str) -> dict[str, list[str]]:
@@ -344,7 +361,7 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
     return out
 
 
-GPU_HEADING = "## 8. GPU check (`benchmarks/gpu_check.sh`)"
+GPU_HEADING = "## 9. GPU check (`benchmarks/gpu_check.sh`)"
 
 
 def gpu_section(res: pathlib.Path) -> list[str]:
@@ -373,7 +390,9 @@ def gpu_section(res: pathlib.Path) -> list[str]:
 
 PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
            "gpu": (GPU_HEADING, gpu_section, "gpu/summary.txt (OUT=results/gpu bash benchmarks/gpu_check.sh)"),
-           "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)")}
+           "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)"),
+           "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,
+                                 "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
 
 

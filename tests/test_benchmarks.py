@@ -154,8 +154,14 @@ def test_report_rewrites_only_the_named_section(tmp_path, monkeypatch):
 def test_checkpoint_smoke(cache_dir):
     """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
     the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
-    per parameter). Asserts on sizes, never on the printed times."""
+    per parameter); and against the memory table losing its per-rank rows. Asserts on
+    sizes, never on the printed times or resident-set figures."""
     out = _run(["benchmarks/checkpoint.py", "--smoke", "--data-cache-path", cache_dir]).stdout.splitlines()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
     assert [r[1] for r in rows] == ["torch", "torch_dist async"]
     assert all(float(r[8]) >= 12 for r in rows), rows
+    out = _run(["benchmarks/checkpoint.py", "--smoke", "--memory", "--data-cache-path", cache_dir]).stdout.splitlines()
+    memory = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
+    # One row per rank, its own optimizer shard beside the measured peaks (figures, no threshold).
+    assert [(r[1], r[2]) for r in memory] == [("DP2", "0"), ("DP2", "1")], memory
+    assert all(float(r[3]) > 0 for r in memory), memory

@@ -1,25 +1,122 @@
-"""The distributed optimizer's state in model space (reshardable over DP, TP, PP, EP).
+"""The distributed optimizer's state in model space, written shard by shard (reshardable
+over DP, TP, PP and EP).
 
-For every model parameter of shape S, the fp32 main param and the Adam moments are saved
-as ShardedTensors of shape S under the model parameter's own sharding metadata (keys
-``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``), plus the optimizer's
-non-tensor state (param groups, step) as common state. This is megatron-core's
-``fully_reshardable`` representation; its 0.16 save maps parameters into the gathered
-buffer with padded-bucket offsets but fills that buffer bucket by bucket *without* the
-padding, which scrambles every bucket after the first (wrong weights after a resume), so
-the mapping is done here with the right offsets. Loading reads each local (TP/PP) param
-whole and keeps this rank's DP slice of it.
+For every model parameter of global shape S the fp32 main param and the Adam moments are
+global tensors of shape S (keys ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model
+key>``); the optimizer's non-tensor state (param groups, step) is common state.
+
+Each DP rank writes only the elements its own shard holds: a flattened range of the local
+(TP/PP/EP) parameter. megatron-core's ``fully_sharded_model_space`` format does this with
+``ShardedTensor.flattened_range``, which 0.16 no longer accepts ("flattened_range is not
+supported"), and its ``fully_reshardable`` format gathers the whole replica onto every rank
+(and scrambles every bucket after the first). So the mapping is done here: a flattened range
+of a row-major tensor is a handful of rectangular blocks (a partial row, whole rows, a
+partial row, recursively per axis), each one a ShardedTensor chunk of the global tensor at
+the model-parallel offset plus its offset inside the local shard. The chunks are views of
+one staging copy of the rank's own slice, so no rank holds more than its own optimizer
+state again; loading asks for the blocks of the new layout's slices and DCP reads them from
+whichever saved chunks overlap, which is what makes any DP/TP/PP/EP change bit-exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Iterator
 
 import torch
 
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 
 _KEYS = (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+
+def owned_slices(opt) -> Iterator[tuple]:
+    """(model param, start, end) for every parameter this DP rank holds optimizer state
+    for: elements [start, end) of the flattened local parameter, in a fixed order (the
+    same on save and load)."""
+    # Private buffer/range maps of megatron's DistributedOptimizer: refuse untested versions.
+    check_megatron_core_version()
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for gbuf_range_map in per_bucket:
+                for param, ranges in gbuf_range_map["param_map"].items():
+                    yield param, ranges["param"].start, ranges["param"].end
+
+
+def state_tensors(opt, param) -> dict:
+    """{"param"/"exp_avg"/"exp_avg_sq": 1-D tensor}: this rank's slice of ``param``'s fp32
+    main param and Adam moments (the moments exist once a step ran or a state was loaded)."""
+    group, order = opt.model_param_group_index_map[param]
+    main = opt.optimizer.param_groups[group]["params"][order]
+    state = opt.optimizer.state[main]
+    return {key: (main if key == "param" else state[key]).detach().view(-1) for key, _ in _KEYS}
+
+
+def own_state_bytes(opt) -> int:
+    """Bytes of optimizer-state tensors (fp32 param + both moments) this rank owns."""
+    return sum((end - start) * 4 * len(_KEYS) for _, start, end in owned_slices(opt))
+
+
+def _blocks(shape: tuple, start: int, end: int, offset: tuple = ()) -> Iterator[tuple]:
+    """Rectangular blocks covering flat elements [start, end) of a row-major ``shape``:
+    (block offset, block shape, flat start), in flat order. At most 2 per axis."""
+    if start >= end:
+        return
+    if len(shape) <= 1:
+        yield offset + ((start,) if shape else ()), ((end - start,) if shape else ()), start
+        return
+    row = math.prod(shape[1:])
+    first, last = start // row, end // row
+    if start % row:  # the partial row at the front
+        stop = min(end, (first + 1) * row)
+        for off, shp, flat in _blocks(shape[1:], start - first * row, stop - first * row):
+            yield offset + (first,) + off, (1,) + shp, flat + first * row
+        start, first = stop, first + 1
+    if last > first:  # whole rows
+        yield offset + (first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:]), first * row
+        start = last * row
+    if start < end:  # the partial row at the back
+        for off, shp, flat in _blocks(shape[1:], 0, end - last * row):
+            yield offset + (last,) + off, (1,) + shp, flat + last * row
+
+
+def _chunks(sh) -> list:
+    """The model param's ShardedTensors with where each starts in the flattened local
+    param: ``[(sharded tensor, flat start)]``. A ShardedTensorFactory (SwiGLU's fused fc1
+    under TP) is built on a meta tensor to learn its parts without touching data."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(sh, ShardedTensorFactory):
+        return [(sh, 0)]
+    parts = []
+    for part in nested_values(sh.build_fn(sh.key, torch.empty(sh.data.shape, device="meta"),
+                                          sh.replica_id, None)):
+        if not part.data.is_contiguous():
+            raise NotImplementedError(f"{sh.key}: a sharded-tensor factory splitting a param "
+                                      "into non-contiguous parts")
+        parts.append((part, part.data.storage_offset()))
+    return sorted(parts, key=lambda p: p[1])
+
+
+def _pieces(sh, start: int, end: int) -> Iterator[tuple]:
+    """(ShardedTensor metadata, block shape, flat start) for elements [start, end) of the
+    local param: blocks of the global tensor, offsets in global coordinates."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for part, base in _chunks(sh):
+        lo, hi = max(start, base), min(end, base + math.prod(part.local_shape))
+        p = part.prepend_axis_num
+        # The DP coordinate of the model param's replica id says which DP rank would write
+        # the (replicated) param; here every DP rank writes its own slice: coordinate 0.
+        rid = (*part.replica_id[:-1], 0) if isinstance(part.replica_id, tuple) else 0
+        for off, shape, flat in _blocks(tuple(part.local_shape), lo - base, hi - base):
+            meta = ShardedTensor(
+                part.key, None, torch.float32, (1,) * p + shape, part.global_shape,
+                part.global_offset[:p] + tuple(g + o for g, o in zip(part.global_offset[p:], off)),
+                axis_fragmentations=None, replica_id=rid, allow_shape_mismatch=part.allow_shape_mismatch)
+            yield meta, (1,) * p + shape, flat + base
 
 
 def _model_meta(model_sd: dict) -> dict:
@@ -30,50 +127,23 @@ def _model_meta(model_sd: dict) -> dict:
     return {sh.data: sh for sh in nested_values(tensors)}
 
 
-def _params(opt):
-    """(gbuf index, buffer, model param, (start, end, bucket id)) in a fixed order."""
-    for gbuf_idx, buffer in enumerate(opt.buffers):
-        for param, index in buffer.param_index_map.items():
-            yield gbuf_idx, buffer, param, index
-
-
-def _world_tensors(opt) -> dict:
-    """gbuf index -> {"param"/"exp_avg"/"exp_avg_sq": whole-buffer tensor in *padded*
-    buffer coordinates}, gathered over DP onto every DP rank."""
-    gathered = opt.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
-    out = {}
-    for gbuf_idx, buffer in enumerate(opt.buffers):
-        (dtype,) = opt.gbuf_ranges[gbuf_idx].keys()
-        world = gathered[gbuf_idx][dtype]
-        padded = {key: torch.zeros(buffer.numel, dtype=torch.float32) for key, _ in _KEYS}
-        src = 0
-        for bucket in buffer.buckets:  # megatron concatenates the buckets without their padding
-            for key in padded:
-                padded[key][bucket.offset:bucket.offset + bucket.numel_unpadded] = \
-                    world[key][src:src + bucket.numel_unpadded]
-            src += bucket.numel_unpadded
-        out[gbuf_idx] = padded
-    return out
-
-
 def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
-    """One DistributedOptimizer's state: ``{"common": ..., "params": {i: {name: ShardedTensor}}}``
-    (a ShardedTensorFactory where the model has one, e.g. SwiGLU's fused fc1 under TP)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    # This module reads the optimizer's private buffer/range maps: refuse untested versions.
-    check_megatron_core_version()
+    """One DistributedOptimizer's state: ``{"common": ..., "params": {i: {name: [ShardedTensor]}}}``,
+    the blocks of this rank's own slice of every parameter it holds state for. Saving
+    passes one copy of the rank's own slices (the writer may still be reading them while
+    training goes on under --async-save); loading, empty buffers of the same size."""
     meta = _model_meta(model_sd)
-    world = None if is_loading else _world_tensors(opt)
     params = {}
-    for i, (gbuf_idx, _, param, (start, end, _)) in enumerate(_params(opt)):
-        sh = meta[param]
+    for i, (param, start, end) in enumerate(owned_slices(opt)):
+        tensors = None if is_loading else state_tensors(opt, param)
+        pieces = list(_pieces(meta[param], start, end))
         entry = {}
         for key, name in _KEYS:
-            data = (torch.empty(sh.data.shape, dtype=torch.float32) if is_loading
-                    else world[gbuf_idx][key][start:end].reshape(sh.data.shape).clone())
-            extra = {} if isinstance(sh, ShardedTensorFactory) else {"dtype": torch.float32}
-            entry[name] = dataclasses.replace(sh, key=f"optimizer.state.{name}.{sh.key}", data=data, **extra)
+            staging = (torch.empty(end - start, dtype=torch.float32) if is_loading
+                       else tensors[key].clone())
+            entry[name] = [dataclasses.replace(m, key=f"optimizer.state.{name}.{m.key}",
+                                               data=staging[flat - start:flat - start + math.prod(shape)].view(shape))
+                           for m, shape, flat in pieces]
         params[i] = entry
     # Common state comes from rank 0's common.pt at load (a fresh optimizer has none to describe).
     return {"common": None if is_loading else opt.state_dict(), "params": params}
@@ -81,20 +151,15 @@ def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
 
 @torch.no_grad()
 def load_state_dict(opt, sd: dict) -> None:
-    """Restore param groups/step, then this rank's DP slice of every local param's state."""
+    """Restore param groups/step, then this rank's own slice of every param's state (the
+    blocks come back in flat order: copied one after the other)."""
+    # megatron's load_state_dict replaces the inner optimizer's state tensors: read them after.
     opt.load_state_dict(sd["common"])
-    ranges = {}
-    for gbuf_range_maps in opt.gbuf_ranges:
-        for per_bucket in gbuf_range_maps.values():
-            for gbuf_range_map in per_bucket:
-                ranges.update(gbuf_range_map["param_map"])
-    for i, (_, _, param, _) in enumerate(_params(opt)):
-        if param not in ranges:
-            continue  # another DP rank owns this parameter's state
-        part = ranges[param]["param"]
-        group, order = opt.model_param_group_index_map[param]
-        main = opt.optimizer.param_groups[group]["params"][order]
-        state = opt.optimizer.state[main]
+    for i, (param, _, _) in enumerate(owned_slices(opt)):
+        tensors = state_tensors(opt, param)
         for key, name in _KEYS:
-            dst = main if key == "param" else state[key]
-            dst.copy_(sd["params"][i][name].flatten()[part.start:part.end])
+            at = 0
+            for block in sd["params"][i][name]:
+                n = block.numel()
+                tensors[key][at:at + n].copy_(block.reshape(-1))
+                at += n
