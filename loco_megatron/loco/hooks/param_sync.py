@@ -138,7 +138,10 @@ class ParamGatherHook:
 
     def _make_start_param_sync(self, group, keys, compressed: bool):
         original = group.start_param_sync  # the bound megatron method
-        raw = sum(b.param_data.numel() * b.param_data.element_size() for b in group.buckets)
+        # A group of one rank gathers nothing over the wire: 0 bytes, as the gradient side
+        # counts its one-rank groups (EP = DP leaves expert groups of one; DP = 1).
+        alone = dist.get_world_size(group.intra_distributed_optimizer_instance_group) == 1
+        raw = 0 if alone else sum(b.param_data.numel() * b.param_data.element_size() for b in group.buckets)
 
         def start_param_sync(force_sync: bool = False):
             if not compressed:
