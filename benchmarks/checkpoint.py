@@ -81,7 +81,7 @@ def measure(model_args: list, variant: list, iters: int, cache: str) -> dict:
         loaded = _run(args + ["--load", str(ck)], tmp / "load.jsonl", cache)
     values = saved[0]["config"]
     config = make_config({k: v for k, v in values.items() if k not in (
-        "world_size", "data_parallel_size", "device", "resumed_from_iteration")})
+        "world_size", "data_parallel_size", "device", "resumed_from_iteration", "variant")})
     params = parameter_count(config.model, padded_vocab_size(values["vocab_size"], 1))
     return {"blocking_s": _mean(saved, "ckpt/blocking_s"), "write_s": _mean(saved, "ckpt/write_s"),
             "load_s": _mean(loaded, "ckpt/load_s"), "bytes_per_param": size / params, "params": params}
