@@ -173,7 +173,9 @@ class Checkpointer:
         dist.all_gather_object(errors, error)
         first = next((e for e in errors if e), None)
         if first:
-            raise ConfigError(first)
+            error = ConfigError(first)
+            error.agreed = True  # every rank raises this same error: it is printed once (rank 0)
+            raise error
 
     # -- save ---------------------------------------------------------------------------
     def _all_ok(self, ok: bool) -> bool:

@@ -63,7 +63,9 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory,
                           param_sync_factory)
         except ConfigError as e:
-            e.per_rank = True  # after start-up a file may be bad on some ranks only: each reports
+            # After start-up a file may be bad on some ranks only: each reports, unless the
+            # ranks agreed on the error in a collective (then rank 0 prints it once).
+            e.per_rank = not getattr(e, "agreed", False)
             raise
         finally:
             shutdown_distributed()
