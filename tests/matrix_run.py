@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from loco_megatron.cli import main_config, report_error
 from loco_megatron.config import ConfigError
-from loco_megatron.loco import param_gather
 from loco_megatron.loco.collectives import CollectiveOps
 from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
 from loco_megatron.training import trainer
@@ -64,9 +63,9 @@ class Wire:
         return out
 
 
-def _install_recorders(wire: Wire) -> CollectiveOps:
-    """megatron-core's and --param-gather-bits' collectives wrapped in place (this process
-    only); returns LoCo's ops, recorded."""
+def _install_recorders(wire: Wire) -> tuple:
+    """megatron-core's collectives wrapped in place (this process only); returns LoCo's
+    gradient ops and the --param-gather-bits ops, recorded."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     rs, ag = pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func
@@ -81,27 +80,22 @@ def _install_recorders(wire: Wire) -> CollectiveOps:
 
     pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func = reduce_scatter, all_gather_params
 
-    class _Dist:  # param_gather's view of torch.distributed, its all-gather recorded
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        @staticmethod
-        def all_gather_into_tensor(out, inp, group=None, async_op=False):
-            wire.gathered(_nbytes(out), group)
-            return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
-
-    param_gather.dist = _Dist()
-
     def grad_op(fn, counted):
         def op(out, inp, group=None, async_op=False):
             wire.grad(_nbytes(counted(out, inp)), group)
             return fn(out, inp, group=group, async_op=async_op)
         return op
 
-    return CollectiveOps(all_to_all_single=grad_op(dist.all_to_all_single, lambda o, i: i),
-                         reduce_scatter_tensor=grad_op(dist.reduce_scatter_tensor, lambda o, i: i),
-                         all_gather=grad_op(dist.all_gather, lambda o, i: i),
-                         all_gather_into_tensor=grad_op(dist.all_gather_into_tensor, lambda o, i: i))
+    def gather_params(out, inp, group=None, async_op=False):  # --param-gather-bits' all-gather
+        wire.gathered(_nbytes(out), group)
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+    grad_ops = CollectiveOps(all_to_all_single=grad_op(dist.all_to_all_single, lambda o, i: i),
+                             reduce_scatter_tensor=grad_op(dist.reduce_scatter_tensor, lambda o, i: i),
+                             all_gather=grad_op(dist.all_gather, lambda o, i: i),
+                             all_gather_into_tensor=grad_op(dist.all_gather_into_tensor, lambda o, i: i),
+                             all_reduce=dist.all_reduce)  # the TP replica average: not data-parallel bytes
+    return grad_ops, CollectiveOps(all_gather_into_tensor=gather_params)
 
 
 def main() -> int:
@@ -112,7 +106,7 @@ def main() -> int:
 
     warnings.filterwarnings("ignore")
     wire = Wire()
-    ops = _install_recorders(wire)
+    ops = _install_recorders(wire)  # (gradient ops, parameter-gather ops)
     # Later runs reuse the processes (each start-up saved is most of a tiny run's cost on
     # CPU) and the default process group (a second rendezvous on torchrun's store can meet
     # the first one's stale keys); megatron's parallel state is torn down between runs.
@@ -141,7 +135,7 @@ def _resume_at(load: str) -> None:
         os.replace(tmp, latest)
 
 
-def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
+def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
     config, env = main_config(argv)
     if config.checkpoint.load:
         _resume_at(config.checkpoint.load)
@@ -184,10 +178,10 @@ def run(argv: list, tag: str, wire: Wire, ops: CollectiveOps) -> int:
             return comm, sums
 
         optimizer.step, stats.take = checked_step, recorded_take
-        return ParamGatherHook(chunks, optimizer, loco, stats)
+        return ParamGatherHook(chunks, optimizer, loco, stats, ops=ops[1])
 
     def grad_sync_factory(chunks, loco, stats):
-        hooks["grad"] = GradSyncHook(chunks, loco, stats, ops=ops)
+        hooks["grad"] = GradSyncHook(chunks, loco, stats, ops=ops[0])
         return hooks["grad"]
 
     try:  # as pretrain_gpt.py: a refused resume is one line and exit status 2

@@ -44,7 +44,7 @@ global batch are the same, only the reduction order (DP) may differ."""
 OTHER_BUCKET = "15000"
 """--ddp-bucket-size of the other-layout resume (TINY's is 40000: more buckets here)."""
 
-RESET = re.compile(r"re-seeded|\b(at|from) zero\b|start(s|ing)? (afresh|fresh)")
+RESET = re.compile(r"re-seeded|\b(at|from) zero\b|start(s|ing)? (afresh|fresh)|does not fit this run")
 """A line announcing that some state starts afresh."""
 
 
