@@ -19,6 +19,7 @@ while this one reads and writes, in input order (the files are the same as with 
 
 import argparse
 import functools
+import itertools
 import multiprocessing
 import pathlib
 import sys
@@ -86,14 +87,16 @@ def main() -> None:
     args = parse_args()
     key = args.json_keys[0]
     try:
-        tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type)
-        fingerprint = tokenizer_fingerprint(args.tokenizer_model, args.tokenizer_type, tok)
-        pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-        encode = _Encoder(args.tokenizer_model, args.tokenizer_type)
         if args.hf_dataset:
             docs = iter_hf_dataset(args.hf_dataset, key, args.hf_subset, args.hf_split, args.streaming)
         else:
             docs = iter_documents(args.input, key)
+        # A missing file or column fails here, in seconds, not after the tokenizer (megatron) loads.
+        docs = itertools.chain([next(docs)], docs)
+        tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type)
+        fingerprint = tokenizer_fingerprint(args.tokenizer_model, args.tokenizer_type, tok)
+        pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+        encode = _Encoder(args.tokenizer_model, args.tokenizer_type)
         counted = {"docs": 0}
 
         def count(ids_iter):

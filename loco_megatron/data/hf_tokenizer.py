@@ -86,6 +86,11 @@ def _local_source(model: str) -> str:
 def load_hf_tokenizer(model: str):
     """megatron-core's ``HuggingFaceTokenizer`` (through ``MegatronTokenizer``) over ``model``.
     Raises ConfigError (one line) when it cannot be loaded or has no eos token."""
+    try:
+        import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--tokenizer-type: HuggingFaceTokenizer needs {e.name}: pip install -r requirements.txt") from None
     source = _local_source(model)
     from megatron.core.tokenizers import MegatronTokenizer
 
