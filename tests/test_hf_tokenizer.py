@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO, TINY, torchrun
 
-TEXTS = ["def f(x):\n    return x + 1\n", " leading space", "héllo 世界 🙂", "</s> is eos, <s> bos", "", "a\n\n\tb  "]
+TEXTS = ["def f(x):\n    return x + 1\n", " leading space", "héllo 世界 🙂", "</s> is eos, <s> bos", "",
+         "a\n\n\tb  "]
 
 
 def _run(*args, env_extra=None) -> tuple[int, list[str], str]:
@@ -94,7 +95,8 @@ def test_train_two_ranks_and_export_gives_the_training_ids(work, cache_dir, tmp_
     from loco_megatron.data.tokenizer import load_tokenizer
     from loco_megatron.export import export_to_hf
 
-    _, metrics = torchrun(2, [*TINY, "--train-iters", "2", "--lr-warmup-iters", "1", "--split", "80,20,0", "--data-path", str(work / "ds"),
+    _, metrics = torchrun(2, [*TINY, "--train-iters", "2", "--lr-warmup-iters", "1", "--split", "80,20,0",
+                              "--data-path", str(work / "ds"),
                               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(work / "tok"),
                               "--save", str(tmp_path / "ckpt")], cache_dir, tmp_path)
     losses = [m["train/lm_loss"] for m in metrics if "train/lm_loss" in m]
@@ -114,23 +116,30 @@ def test_train_two_ranks_and_export_gives_the_training_ids(work, cache_dir, tmp_
 
 def test_dataset_of_another_tokenizer_type_is_one_line(work, tmp_path):
     """Guards against training on ids of another tokenizer: a dataset built with the Hugging
-    Face tokenizer, run with a sentencepiece one (and the reverse) must stop with one line
-    naming the type (not a fingerprint mismatch deep in a traceback, not silence)."""
-    from loco_megatron.config import ConfigError
+    Face tokenizer, run with a sentencepiece one (and the reverse), must stop with one line
+    naming the type (not a fingerprint mismatch deep in a traceback, not silence); and
+    against resolve_data (what the trainer calls) not passing --tokenizer-type on."""
+    from loco_megatron.config import Config, ConfigError, DataConfig
     from loco_megatron.data.corpus import stdlib_documents
-    from loco_megatron.data.indexed import check_indexed_dataset, write_indexed_dataset
+    from loco_megatron.data.dataset import resolve_data
+    from loco_megatron.data.indexed import write_indexed_dataset
     from loco_megatron.data.tokenizer import load_tokenizer, train_sentencepiece
 
     sp = train_sentencepiece(stdlib_documents()[:10], str(tmp_path / "sp"), 400)
-    rc, lines, _ = _run("pretrain_gpt.py", *TINY, "--train-iters", "3", "--data-path", work / "ds",
-                        "--tokenizer-model", sp, "--data-cache-path", tmp_path / "cache")
-    assert rc == 2 and len(lines) == 1, lines
-    assert "--tokenizer-type" in lines[0] and "built with a HuggingFaceTokenizer" in lines[0], lines
     write_indexed_dataset(stdlib_documents()[:3], load_tokenizer(sp), str(tmp_path / "sp_ds"), sp)
     assert json.loads((tmp_path / "sp_ds.meta.json").read_text())["tokenizer_type"] == "SentencePieceTokenizer"
-    hf = load_tokenizer(str(work / "tok"), "HuggingFaceTokenizer")
-    with pytest.raises(ConfigError, match="built with a SentencePieceTokenizer .* not a HuggingFaceTokenizer"):
-        check_indexed_dataset(str(tmp_path / "sp_ds"), hf, str(work / "tok"), tokenizer_type="HuggingFaceTokenizer")
+    cases = [(str(work / "ds"), sp, "SentencePieceTokenizer", "built with a HuggingFaceTokenizer (its .meta.json), "
+              "not a SentencePieceTokenizer"),
+             (str(tmp_path / "sp_ds"), str(work / "tok"), "HuggingFaceTokenizer", "built with a "
+              "SentencePieceTokenizer (its .meta.json), not a HuggingFaceTokenizer")]
+    for prefix, model, kind, needle in cases:
+        config = Config(data=DataConfig(data_path=prefix, tokenizer_model=model, tokenizer_type=kind))
+        with pytest.raises(ConfigError, match="^--tokenizer-type: ") as e:
+            resolve_data(config, str(tmp_path / "cache"))
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    config = Config(data=DataConfig(data_path=str(work / "ds"), tokenizer_model=str(work / "tok"),
+                                    tokenizer_type="HuggingFaceTokenizer"))
+    assert resolve_data(config, str(tmp_path / "cache")).tokenizer.vocab_size == 400  # its own: accepted
 
 
 def test_bad_parquet_is_one_line_exit_2_and_no_files(work, tmp_path):
@@ -161,7 +170,8 @@ def test_hf_dataset_folder_matches_parquet_input_and_missing_library_is_one_line
     (tmp_path / "folder").mkdir()
     shutil.copy(work / "docs.parquet", tmp_path / "folder" / "train.parquet")
     rc, lines, _ = _run("tools/preprocess_data.py", "--hf-dataset", tmp_path / "folder", "--json-keys", "content",
-                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", work / "tok" / "tokenizer.json",
+                        "--tokenizer-type", "HuggingFaceTokenizer",
+                        "--tokenizer-model", work / "tok" / "tokenizer.json",
                         "--output-prefix", tmp_path / "from_hf", env_extra={"HF_DATASETS_CACHE": str(tmp_path / "c")})
     assert rc == 0, lines
     for ext in (".bin", ".idx", ".meta.json"):  # the tokenizer.json file is the folder's tokenizer

@@ -101,7 +101,8 @@ def _parquet(p: pathlib.Path, column: str, batch_rows: int = 1024) -> Iterator[s
                 yield text
 
 
-def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train", streaming: bool = False) -> Iterator[str]:
+def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train",
+                    streaming: bool = False) -> Iterator[str]:
     """The ``column`` of a Hugging Face dataset: a folder written by ``save_to_disk``, a local
     dataset folder or data files, or a hub name (``streaming``: read as it downloads). Raises
     InputError (one line) when ``datasets`` is missing or the dataset or column cannot be read."""
@@ -127,8 +128,11 @@ def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train", s
         raise InputError(f"--hf-dataset: {name} has no column '{column}' (columns: {', '.join(names)}); "
                          "choose one with --json-keys")
     count = 0
-    for row in ds.select_columns([column]) if names else ds:
-        text = row.get(column)
+    for row in ds.select_columns([column]) if names else ds:  # streamed without features: no column names
+        if column not in row:
+            raise InputError(f"--hf-dataset: {name} has no column '{column}' (columns: {', '.join(row)}); "
+                             "choose one with --json-keys")
+        text = row[column]
         if text is not None and not isinstance(text, str):
             raise InputError(f"--hf-dataset: {name}: column '{column}' holds {type(text).__name__}, not text")
         if text:

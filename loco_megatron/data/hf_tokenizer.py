@@ -20,7 +20,7 @@ from typing import Iterable
 
 from loco_megatron.config import ConfigError
 
-SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+SPECIAL_TOKENS = (("bos_token", "<s>"), ("eos_token", "</s>"), ("pad_token", "<pad>"))
 """Special tokens of the byte-level BPE that :func:`train_byte_level_bpe` writes (ids 0, 1, 2)."""
 
 
@@ -40,7 +40,7 @@ def train_byte_level_bpe(texts: Iterable[str], out_dir: str, vocab_size: int) ->
     # add_prefix_space=False: a document's first word keeps its ids whether or not a space precedes it.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[t for _, t in SPECIAL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     seen = {"docs": 0}
 
@@ -57,7 +57,7 @@ def train_byte_level_bpe(texts: Iterable[str], out_dir: str, vocab_size: int) ->
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
-                                **SPECIAL_TOKENS).save_pretrained(str(tmp))
+                                **dict(SPECIAL_TOKENS)).save_pretrained(str(tmp))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -90,7 +90,8 @@ def load_hf_tokenizer(model: str):
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"--tokenizer-type: HuggingFaceTokenizer needs {e.name}: pip install -r requirements.txt") from None
+        raise ConfigError(f"--tokenizer-type: HuggingFaceTokenizer needs {e.name}: "
+                          "pip install -r requirements.txt") from None
     source = _local_source(model)
     from megatron.core.tokenizers import MegatronTokenizer
 
@@ -115,8 +116,12 @@ def hf_fingerprint(tokenizer) -> str:
     """16 hex digits identifying what the tokenizer encodes to: its serialised ``tokenizers``
     pipeline (vocabulary, merges, normaliser, pre-tokeniser, added tokens) and its EOD id.
     The same for a folder, its tokenizer.json and the hub copy of the same tokenizer."""
-    backend = hf_backend(tokenizer).backend_tokenizer
-    canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, ensure_ascii=False)
+    hf = hf_backend(tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, ensure_ascii=False)
+    else:  # a Python-only ("slow") tokenizer: its vocabulary is what we can compare
+        canonical = json.dumps(sorted(hf.get_vocab().items()), ensure_ascii=False)
     return hashlib.sha256(f"{canonical}\neod={tokenizer.eod}".encode()).hexdigest()[:16]
 
 
