@@ -14,7 +14,7 @@ from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
-from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line, resolve_kernels
 from test_triton_kernels import _inputs
 
 
@@ -159,8 +159,9 @@ def test_decompress_sum_matches_reference(ext, bits, out_dtype, monkeypatch):
 
 def test_kernel_selection_and_fallback(ext, capsys):
     """Guards against --loco-kernels auto not picking the C++ kernels on CPU, a traceback
-    instead of one line for a shape they cannot run, and a missing compiler failing the
-    run (it must fall back to torch, printing one line, once)."""
+    instead of one line for a shape they cannot run, a missing compiler failing the run
+    (it must fall back to torch, printing one line, once), and the start-up kernels line
+    misnaming what runs or not saying why torch does."""
     assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "cpu"
     assert resolve_kernels("cpu", "cpu", False, 2, 264, 8, False) == "cpu"
     assert resolve_kernels("auto", "cpu", False, 4, 256, 32, True) == "torch"  # fp32 error: reference
@@ -175,9 +176,16 @@ def test_kernel_selection_and_fallback(ext, capsys):
 
     capsys.readouterr()
     assert resolve_kernels("cpu", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == "torch"
-    assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == "torch"
+    assert choose_kernels("auto", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == \
+        ("torch", "the C++ CPU kernels could not be built")
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "could not be built" in lines[0] and "torch reference" in lines[0], lines
+    # the start-up line names what runs, and why torch does where a fused path might have
+    assert kernels_line("cpu", True, 4, None) == "kernels: grads cpu, params cpu"
+    assert kernels_line("cpu", False, 0, None) == \
+        "kernels: grads off (megatron's reduce-scatter), params off (megatron's all-gather)"
+    assert choose_kernels("auto", "cpu", False, 4, 16384, 8, True) == \
+        ("torch", "--loco-kernels cpu needs a --loco-block-size that is a multiple of 8 up to 8192, got 16384")
 
 
 def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):

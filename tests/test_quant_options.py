@@ -356,7 +356,7 @@ def test_mse_search_quality_equals_the_full_search():
     scales, Student-t tails, sparse), rotated or not, 2 and 4 bits, both grids, the mean
     squared quantisation error with its scales is within 0.5% of the search it replaced."""
     gen = torch.Generator().manual_seed(0)
-    n = 512
+    n = 128
     gauss = torch.randn(n, 256, generator=gen) * torch.randn(n, 1, generator=gen).exp()
     chi2 = torch.randn(3, n, 256, generator=gen).square().sum(0)
     t3 = torch.randn(n, 256, generator=gen) / (chi2 / 3).sqrt()  # Student-t, 3 degrees of freedom
