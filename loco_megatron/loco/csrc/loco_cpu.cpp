@@ -1,5 +1,8 @@
 // Fused CPU kernels for LoCo: compress (compensate, block absmax, quantise, pack,
-// residual, error update, int8 re-quantisation) and decompress-and-sum.
+// residual, error update, int8 re-quantisation) and decompress-and-sum, for the original
+// scheme and for every quantiser option (uniform grid, mse scale, Hadamard rotation and,
+// on the receiving side, unrotation, stochastic rounding: quant_options.h and the
+// compress_range_opts path below).
 //
 // Semantics are those of the torch reference (loco_megatron/loco/quantize.py,
 // compressor.py, collectives.py), operation for operation, so codes and scales are

@@ -122,7 +122,8 @@ LOCO_OPT_INLINE uint32_t mix32(uint32_t x) {
 }
 
 // Stochastic levels clamp(floor(x / d + u)), u = quantize.uniform_noise at element index
-// first + i of the buffer's block space.
+// first + i of the buffer's block space. The hash goes into q first (an integer loop that
+// vectorises), then the float loop reads it back.
 LOCO_OPT_INLINE void stochastic_levels(const float* x, float s, float lo, float hi, uint32_t key, int64_t first,
                                        float* q, int B) {
   const float d = divisor(s);
@@ -131,8 +132,15 @@ LOCO_OPT_INLINE void stochastic_levels(const float* x, float s, float lo, float 
   for (int i = 0; i < B; ++i) {
     const uint64_t idx = f + static_cast<uint64_t>(i);
     const uint32_t h = mix32(mix32(static_cast<uint32_t>(idx) ^ key) + static_cast<uint32_t>(idx >> 32));
-    const float u = static_cast<float>(h >> 8) * 5.9604644775390625e-08f;  // 2**-24
-    float v = std::floor(x[i] / d + u);
+    q[i] = static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f;  // 2**-24, exact
+  }
+#pragma omp simd
+  for (int i = 0; i < B; ++i) {
+    const float y = x[i] / d + q[i];
+    // floor(y) for |y| < 2**22 (y is a level plus u here): round half to even, then one
+    // down where that went up; exact, and NaN stays NaN.
+    float v = (y + kMagic) - kMagic;
+    v = v > y ? v - 1.0f : v;
     v = v < lo ? lo : v;
     v = v > hi ? hi : v;
     q[i] = v != v ? 0.0f : v;
