@@ -365,3 +365,20 @@ def test_training_two_bit_default_on_cpu_kernels_matches_torch(cache_dir, tmp_pa
     proc, fused = torchrun(2, args, cache_dir, tmp_path, name="auto")
     assert "kernels: grads cpu, params off (megatron's all-gather)" in proc.stdout
     assert train_losses(ref) == train_losses(fused) and sorted(train_losses(ref)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("ef", [True, False])
+def test_options_bf16_gradient_and_no_error_feedback(ext, ef):
+    """Guards against the options path misreading a bf16 gradient or touching an error
+    buffer the ablation does not have: bf16 in, the 2-bit default with stochastic rounding,
+    codes, scales (and the error) bit-identical to the reference over steps."""
+    opts = dataclasses.replace(TWO_BIT, rounding="stochastic", seed=9)
+    ref = LoCoCompressor(3000, bits=2, error_feedback=ef, options=opts, stream=2)
+    fused = LoCoCompressor(3000, bits=2, error_feedback=ef, options=opts, stream=2, kernels="cpu")
+    for step in range(3):
+        g = torch.randn(3000, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        a, b = ref.compress(g), fused.compress(g)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
+    if ef:
+        assert torch.equal(ref.state_dict()["error"], fused.state_dict()["error"])
+    torch.testing.assert_close(ref.last_stats, fused.last_stats, rtol=1e-4, atol=0)
