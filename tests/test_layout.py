@@ -103,11 +103,13 @@ def test_config_rules_for_expert_folding_are_one_line_errors():
     for flags, named in ((moe + ["--no-swiglu"], "--expert-tensor-parallel-size"),
                          (moe + ["--moe-ffn-hidden-size", "33", "--sequence-parallel"], "--moe-ffn-hidden-size"),
                          (["--expert-tensor-parallel-size", "1"], "needs --num-experts"),
-                         (moe + ["--expert-model-parallel-size", "2"], "--sequence-parallel")):
+                         (moe + ["--expert-model-parallel-size", "2"], "--sequence-parallel"),
+                         (moe + ["--expert-tensor-parallel-size", "1", "--sequence-parallel"], "EP > 1 or ETP = TP")):
         with pytest.raises(ConfigError, match=re.escape(named)):
             parse_config(flags)
-    ok = parse_config(moe + ["--no-swiglu", "--expert-tensor-parallel-size", "1"])
-    assert (ok.data_parallel_size(4), ok.expert_data_parallel_size(4)) == (2, 4)
+    ok = parse_config(moe + ["--no-swiglu", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                             "--sequence-parallel"])
+    assert (ok.data_parallel_size(4), ok.expert_data_parallel_size(4)) == (2, 2)
 
 
 def test_transformer_engine_flag_without_te_is_one_line_before_any_process_group(tmp_path):
@@ -144,31 +146,32 @@ def _params(path) -> dict:
 
 @pytest.mark.parametrize("flags,expert_dp_groups", [
     (["--expert-model-parallel-size", "4"], [[0], [1], [2], [3]]),
-    (["--expert-model-parallel-size", "1"], [[0, 1, 2, 3]]),
-], ids=["tp2-ep4-etp1", "tp2-ep1-etp1"])
+    (["--expert-model-parallel-size", "2"], [[0, 2], [1, 3]]),
+], ids=["tp2-ep4-etp1", "tp2-ep2-etp1"])
 def test_folded_moe_trains_with_loco_and_every_group_agrees(flags, expert_dp_groups, cache_dir, tmp_path):
     """Guards against LoCo syncing expert buckets over the wrong group under parallel folding
     (TP 2 with ETP 1 on 4 gloo ranks): expert gradients must be reduced over megatron-core's
-    expert data-parallel group (EP 4: one rank each, megatron's exact path; EP 1: all four
-    ranks, while the dense DP groups are {0,2},{1,3}), dense ones over the dense DP group, and
-    TP-replicated ones must stay equal across TP. After LoCo 4-bit training with finite
-    losses, every parameter is bit-identical on the ranks of the group that owns it."""
+    expert data-parallel group (EP 4: one rank each, megatron's exact path; EP 2: {0,2} and
+    {1,3}, compressed, while TP peers 0 and 1 hold different experts), dense ones over the
+    dense DP group, and TP-replicated ones (router, norms) must stay equal on all ranks. After
+    LoCo 4-bit training with finite losses, every parameter is bit-identical on the ranks of
+    the group that owns it (and folded experts are not averaged across TP: they differ)."""
     from megatron.core.parallel_state import RankGenerator
 
     ck = tmp_path / "ck"
     args = TINY + ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "1", "--sequence-parallel", *flags, "--loco-bits", "4",
-                   "--train-iters", "2", "--save", str(ck), "--save-interval", "2", "--ckpt-format", "torch"]
+                   "--train-iters", "3", "--save", str(ck), "--save-interval", "3", "--ckpt-format", "torch"]
     proc, metrics = torchrun(4, args, cache_dir, tmp_path)
     losses = train_losses(metrics)
-    assert sorted(losses) == [1, 2] and all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
+    assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
     assert [m for m in metrics if "comm/compressed_fraction" in m][-1]["comm/compressed_fraction"] == pytest.approx(1.0)
     ep = int(flags[1])
     # megatron-core's own rank layout (initialize_model_parallel's generators, default order).
     dense = RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=1, ep=ep, dp=4 // ep, pp=1, cp=1, order="tp-cp-ep-dp-pp")
     assert expert.get_ranks("dp") == expert_dp_groups
-    ranks = [_params(ck / "iter_0000002" / f"rank_0000{r}.pt") for r in range(4)]
+    ranks = [_params(ck / "iter_0000003" / f"rank_0000{r}.pt") for r in range(4)]
     for key in ranks[0]:
         if ".experts." in key:
             groups = expert.get_ranks("dp")
@@ -179,3 +182,5 @@ def test_folded_moe_trains_with_loco_and_every_group_agrees(flags, expert_dp_gro
         for group in groups:
             for r in group[1:]:
                 assert torch.equal(ranks[group[0]][key], ranks[r][key]), (key, group)
+        if ".experts." in key:  # TP peers hold different experts under folding
+            assert not torch.equal(ranks[0][key], ranks[1][key]), key

@@ -57,6 +57,16 @@ class Config:
             # megatron-core asserts this in TransformerConfig (no-SwiGLU MLPs have biases).
             require(m.swiglu or p.expert_tp == 1, "expert_tensor_parallel_size",
                      f"is {p.expert_tp}: megatron-core supports biased (--no-swiglu) experts only with 1")
+            # megatron-core 0.16.1 marks expert parameters as such (allreduce=False, reduced over
+            # the expert data-parallel group) only when EP > 1; with EP 1 they join the dense
+            # buckets and are reduced over the dense DP group, so with ETP < TP the TP ranks'
+            # copies of each expert (fed different tokens) drift apart (tested: they differ
+            # after 3 steps at TP 2, ETP 1, EP 1, with and without LoCo).
+            require(p.expert_model_parallel_size > 1 or p.expert_tp == p.tensor_model_parallel_size,
+                     "expert_tensor_parallel_size",
+                     f"{p.expert_tp} differs from --tensor-model-parallel-size {p.tensor_model_parallel_size} with "
+                     "--expert-model-parallel-size 1: megatron-core then syncs expert gradients over the dense "
+                     "data-parallel group only; use EP > 1 or ETP = TP")
             # Megatron-LM's rule: the all-to-all dispatcher splits each TP rank's tokens, which
             # are the TP group's common tokens unless the sequence is split over TP.
             require(p.expert_model_parallel_size == 1 or p.tensor_model_parallel_size == 1 or p.sequence_parallel,
