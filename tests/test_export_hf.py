@@ -182,6 +182,7 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     shutil.copytree(ckpt, learned)
     common = dist_checkpointing.load_common_state_dict(str(learned))
     common["config"]["model"]["position_embedding_type"] = "learned_absolute"
+    common["config"]["model"]["use_rope_scaling"] = False  # (the fixture's RoPE scaling needs RoPE)
     torch.save(common, learned / "common.pt")
     sidecar = learned / files.SIDECAR.format(rank=0)  # a consistent checkpoint of another model
     sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "common.pt": files.sha256(learned / "common.pt")}))
