@@ -61,8 +61,8 @@ class ParallelConfig:
         require(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
                  "needs --tensor-model-parallel-size > 1")
         require(self.context_parallel_size == 1, "context_parallel_size",
-                 "needs TransformerEngine: megatron-core 0.16 implements context parallelism only in "
-                 "TEDotProductAttention (--transformer-impl transformer_engine), which loco-megatron does not wire")
+                 "is not supported: megatron-core 0.16 implements context parallelism only in TransformerEngine's "
+                 "attention, and loco-megatron does not split the batches' sequences across CP ranks")
         require(self.virtual_pipeline_model_parallel_size is None
                  or self.num_layers_per_virtual_pipeline_stage is None, "num_layers_per_virtual_pipeline_stage",
                  "give either it or --virtual-pipeline-model-parallel-size, not both")
