@@ -92,11 +92,13 @@ def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, reco
     return estimate(make_config(values), tp * pp * dp, vocab)
 
 
-VOCAB = {"llama3_8b": 128256, "gpt_125m": 50257, "gpt_1.3b": 50257}
-"""Tokenizer sizes other than LLaMA-2's 32000 (LLaMA-3's, GPT-2's)."""
+VOCAB = {"llama3_8b": 128256, "gpt_125m": 50257, "gpt_1.3b": 50257, "tiny_gpt": 4096, "tiny_moe": 4096}
+"""Tokenizer sizes other than LLaMA-2's 32000 (LLaMA-3's, GPT-2's, the built-in corpus tokenizer's)."""
 # (TP, PP, DP, EP, VP, recompute, SP, ETP or None = TP); the first row of each config is
 # the layout it ships with, at its Slurm template's GPU count (see its header comment).
 LAYOUTS = {
+    "configs/tiny_gpt.yaml": [(1, 1, 2, 1, 1, "none", False, None)],
+    "configs/tiny_moe.yaml": [(1, 1, 2, 1, 1, "none", False, None)],
     "configs/gpt_125m.yaml": [(1, 1, 16, 1, 1, "none", False, None)],
     "configs/gpt_1.3b.yaml": [(1, 1, 16, 1, 1, "none", False, None), (1, 1, 16, 1, 1, "selective", False, None)],
     "configs/llama_1b.yaml": [
@@ -134,7 +136,7 @@ def analytic_table() -> str:
                 f"{rc} | {'on' if sp else 'off'} | "
                 f"{r['params'] / 1e9:.2f} | {gib['weights']:.1f} | {gib['grads']:.1f} | {gib['optimizer']:.1f} | "
                 f"{gib['loco_error'] + gib['loco_workspace']:.1f} | {gib['activations']:.1f} | "
-                f"{gib['total']:.1f} | {'yes' if r['total'] < 0.92 * 80e9 else 'no'} | "
+                f"{gib['total']:.3g} | {'yes' if r['total'] < 0.92 * 80e9 else 'no'} | "
                 f"{'yes' if r['total'] < 0.92 * 141e9 else 'no'} |")
     return "\n".join(rows)
 

@@ -10,8 +10,8 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
   shards it with --use-distributed-optimizer: the dense DP for dense parameters, the
   expert DP (world / (ETP x EP x PP)) for expert ones;
 * LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
-  gradient element) and the workspace (two fp32 copies of the largest bucket plus its
-  send/receive payloads);
+  gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
+  rank's parameters, plus its send/receive payloads);
 * activations of the micro batches in flight (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", arXiv 2205.05198: per layer and micro batch
   ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with no parallelism; with TP t and sequence
@@ -83,7 +83,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     shard = (dp, expert_dp or 1) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
     block = lc.loco_block_size
-    bucket = p.ddp_bucket_size or DDP_BUCKET
+    bucket = min(p.ddp_bucket_size or DDP_BUCKET, here)  # no bucket outgrows the rank's parameters
     out = {
         "weights": (2 if m.bf16 else 4) * here,
         "grads": (2 if p.grad_reduce_in_bf16 else 4) * here,
