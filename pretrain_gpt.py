@@ -4,23 +4,35 @@
     torchrun --nproc_per_node 2 pretrain_gpt.py                 # tiny default, CPU or GPU
     torchrun --nproc_per_node 2 pretrain_gpt.py --loco-bits 4   # with 4-bit LoCo
     torchrun ... pretrain_gpt.py --config configs/gpt_125m.yaml --data-path ... --tokenizer-model ...
+    python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 32
 
 Flags follow Megatron-LM's names; ``--help`` lists them. A ``--config`` YAML file
-(keys = flag names) is read first, command-line flags override it.
+(keys = flag names) is read first, command-line flags override it. ``--dry-run`` checks
+the config and the layout for ``--world-size`` ranks and prints the start-up summary
+with a memory estimate per GPU, starting nothing (exit 2 and one line if impossible).
 """
 
 import sys
 import warnings
 
-from loco_megatron.cli import main_config, report_error
+from loco_megatron.cli import main_invocation, report_error
 from loco_megatron.config import ConfigError
 
 
 def main() -> int:
-    config, env = main_config()
+    config, env, dry_run_world = main_invocation()
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    if dry_run_world is not None:
+        from loco_megatron.training.preflight import dry_run
+
+        try:
+            print(dry_run(config, dry_run_world))
+        except ConfigError as e:
+            report_error(e, 0)
+            return 2
+        return 0
     from loco_megatron.training.health import RunAborted
     from loco_megatron.training.trainer import train  # heavy imports after parsing
 

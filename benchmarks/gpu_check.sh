@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (at most 7 minutes on one H200: each step has its own time limit). Everything a single GPU can
+# The one prepared GPU check (at most 9 minutes on one H200: each step has its own time limit). Everything a single GPU can
 # tell us today, each step bounded in time and recorded even when an earlier one fails:
 #   1. the device and the versions in use;
 #   2. the Triton kernel tests on CUDA (compiled, not interpreted): codes, scales, error
@@ -8,7 +8,9 @@
 #      and the torch reference, 16M..256M elements, 4 and 2 bits;
 #   4. a one-GPU training smoke run of pretrain_gpt.py on NCCL (megatron-core on CUDA,
 #      LoCo hooks installed; a DP group of one sends nothing, so this checks the GPU
-#      path of the model, buckets and optimizer, not compression on the wire).
+#      path of the model, buckets and optimizer, not compression on the wire);
+#   5. the same smoke run with TransformerEngine layers (--transformer-impl transformer_engine,
+#      megatron-core's TE layer spec), skipped with a line when TE is not importable.
 # Output goes to $OUT (or ./gpu_results), one file per step, and a summary line each.
 #   bash benchmarks/gpu_check.sh
 # Packages: a GPU machine that cannot reach a registry gets wheels carried in .whl/
@@ -43,4 +45,11 @@ step kernels_2bit 60 "$PY" benchmarks/kernels.py --sizes 16M,64M --bits 2 --kern
 step train_1gpu 130 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
     --train-iters 30 --eval-interval 10 --eval-iters 2 --log-interval 5 --loco-bits 4 --bf16 \
     --data-cache-path /tmp/loco_cache --metrics-jsonl "$OUT/train_1gpu.jsonl"
+if "$PY" -c "import transformer_engine.pytorch" > "$OUT/te_import.txt" 2>&1; then
+    step train_1gpu_te 130 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
+        --transformer-impl transformer_engine --train-iters 20 --eval-interval 10 --eval-iters 2 --log-interval 5 \
+        --loco-bits 4 --bf16 --data-cache-path /tmp/loco_cache --metrics-jsonl "$OUT/train_1gpu_te.jsonl"
+else
+    echo "train_1gpu_te: skipped, TransformerEngine is not importable ($(tail -n 1 "$OUT/te_import.txt"))" | tee -a "$summary"
+fi
 cat "$summary"

@@ -3,24 +3,16 @@
 
     python benchmarks/memory.py --smoke          # seconds: tiny model, two settings
     python benchmarks/memory.py                  # measured table (tiny + larger CPU model)
-    python benchmarks/memory.py --analytic-only  # the 7B / 13B / 8x7B layout table only
+    python benchmarks/memory.py --analytic-only  # the GPU configs' layout table only
 
 Measured: peak memory per rank (``mem/peak_bytes``: peak RSS on CPU, so it includes
 the Python process and megatron-core, ~hundreds of MB) and step time, for activation
 recomputation none / selective / full and sequence parallelism on / off, TP=2 on 2 ranks.
 
-Analytic (per GPU, bytes): bf16 weights (2/param), fp32 gradient buffer (4/param; 2 with
---grad-reduce-in-bf16), distributed-optimizer state (fp32 main params + Adam moments,
-12/param / DP), LoCo error (int8 + one fp32 scale per block: 1 + 4/block per gradient
-element) and workspace (two fp32 copies of the largest bucket plus its send/receive
-payloads), activations of the micro batches in flight (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198:
-per layer and micro batch ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with no parallelism;
-with TP t and sequence parallelism ``s*b*h*(34/t + 5*a*s/(h*t))``, selective
-recomputation drops the ``5as/h`` term, full recomputation keeps ``2*s*b*h/t`` per
-layer plus one whole layer being recomputed; 1F1B keeps PP micro batches in flight on the first stage, interleaving adds
-``(PP-1)/(PP*VP)``). The formula is the paper's GPT layer (4h MLP); for SwiGLU/GQA it is
-an estimate. Not counted: the CUDA context and allocator fragmentation (add ~5-10%).
+Analytic (per GPU, bytes): :mod:`loco_megatron.training.memory_estimate` (the estimator
+``pretrain_gpt.py --dry-run`` prints), for each config's shipped layout at its template's
+geometry and a few alternatives, LoCo 4-bit, with the vocabulary of the tokenizer each
+model family uses (LLaMA-2/Mixtral 32000, LLaMA-3 128256).
 """
 
 from __future__ import annotations
@@ -37,11 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loco_megatron.cli import load_yaml_config, make_config  # noqa: E402
-from loco_megatron.model import padded_vocab_size  # noqa: E402
-from loco_megatron.training.flops import parameter_count  # noqa: E402
-
-GIB = 2**30
-BUCKET = 40_000_000  # megatron-core's default DDP bucket (elements)
+from loco_megatron.training.memory_estimate import GIB, estimate  # noqa: E402
 
 SETTINGS = {
     "none": [],
@@ -88,72 +76,67 @@ def measured_table(models: dict, settings: dict, iters: int, cache: str) -> str:
 
 
 def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, recompute: str, sp: bool,
-             micro_batch: int, loco_bits: int = 4, block: int = 256) -> dict:
-    """Bytes per GPU on the first pipeline stage (the fullest) for one layout."""
+             micro_batch: int | None = None, loco_bits: int = 4, etp: int | None = None, vocab: int = 32000) -> dict:
+    """Bytes per GPU on the first pipeline stage for ``config_file`` in one layout
+    (world = TP x PP x DP; see :func:`loco_megatron.training.memory_estimate.estimate`);
+    ``micro_batch`` None: the config's."""
     values = load_yaml_config(config_file)
+    micro_batch = micro_batch or values.get("micro_batch_size", 4)
     values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                  micro_batch_size=micro_batch)
-    m = make_config(values).model
-    vocab = padded_vocab_size(32000, tp)
-    total = parameter_count(m, vocab)
-    if m.num_experts:
-        expert_params = m.num_layers * m.num_experts * 3 * m.hidden_size * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
-    else:
-        expert_params = 0
-    dense = total - expert_params
-    # Dense weights split by TP x PP, experts additionally by EP; the expert optimizer
-    # state is sharded over the expert-data-parallel group (DP / EP).
-    per_gpu = dense / (tp * pp) + expert_params / (tp * pp * ep)
-    optimizer = 12 * (dense / (tp * pp) / dp + expert_params / (tp * pp * ep) / max(dp // ep, 1))
-    s, b, h, a, L = m.seq_length, micro_batch, m.hidden_size, m.num_attention_heads, m.num_layers
-    t = tp
-    attn = 0 if recompute == "selective" else 5 * a * s / (h * t)
-    stored = s * b * h * ((34 / t) if sp else (10 + 24 / t)) + s * b * h * attn
-    in_flight = pp * (1 + ((pp - 1) / (pp * vp) if vp > 1 else 0))
-    if recompute == "full":  # layer inputs only, plus the one layer being recomputed
-        full_layer = s * b * h * ((34 / t) if sp else (10 + 24 / t)) + s * b * h * 5 * a * s / (h * t)
-        activations = 2 * s * b * h / (t if sp else 1) * (L / pp) * in_flight + full_layer
-    else:
-        activations = stored * (L / pp) * in_flight
-    out = {
-        "weights": 2 * per_gpu,
-        "grads": 4 * per_gpu,
-        "optimizer": optimizer,
-        "loco_error": per_gpu * (1 + 4 / block) if loco_bits else 0,
-        "loco_workspace": (2 * 4 * BUCKET + 2 * BUCKET * (loco_bits / 8 + 4 / block)) if loco_bits else 0,
-        "activations": activations,
-    }
-    out["total"] = sum(out.values())
-    out["params"] = total
-    return out
+                  expert_tensor_parallel_size=etp, micro_batch_size=micro_batch, loco_bits=loco_bits,
+                  virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                  num_layers_per_virtual_pipeline_stage=None, sequence_parallel=sp,
+                  recompute_granularity=None if recompute == "none" else recompute,
+                  recompute_method="uniform" if recompute == "full" else None)
+    values["global_batch_size"] = micro_batch * dp * pp * 8  # any batch the layout accepts
+    return estimate(make_config(values), tp * pp * dp, vocab)
 
 
+VOCAB = {"llama3_8b": 128256, "gpt_125m": 50257, "gpt_1.3b": 50257, "tiny_gpt": 4096, "tiny_moe": 4096}
+"""Tokenizer sizes other than LLaMA-2's 32000 (LLaMA-3's, GPT-2's, the built-in corpus tokenizer's)."""
+# (TP, PP, DP, EP, VP, recompute, SP, ETP or None = TP); the first row of each config is
+# the layout it ships with, at its Slurm template's GPU count (see its header comment).
 LAYOUTS = {
+    "configs/tiny_gpt.yaml": [(1, 1, 2, 1, 1, "none", False, None)],
+    "configs/tiny_moe.yaml": [(1, 1, 2, 1, 1, "none", False, None)],
+    "configs/gpt_125m.yaml": [(1, 1, 16, 1, 1, "none", False, None)],
+    "configs/gpt_1.3b.yaml": [(1, 1, 16, 1, 1, "none", False, None), (1, 1, 16, 1, 1, "selective", False, None)],
+    "configs/llama_1b.yaml": [
+        (1, 1, 16, 1, 1, "selective", False, None), (1, 1, 8, 1, 1, "none", False, None)],
     "configs/llama2_7b.yaml": [
-        (1, 1, 8, 1, 1, "full", False), (2, 1, 4, 1, 1, "selective", True), (4, 1, 2, 1, 1, "none", True),
-        (4, 1, 2, 1, 1, "selective", True), (2, 2, 2, 1, 2, "selective", True)],
+        (2, 1, 8, 1, 1, "selective", True, None),
+        (1, 1, 8, 1, 1, "full", False, None), (2, 1, 4, 1, 1, "selective", True, None),
+        (4, 1, 2, 1, 1, "none", True, None), (2, 2, 2, 1, 2, "selective", True, None)],
+    "configs/llama3_8b.yaml": [
+        (2, 1, 8, 1, 1, "selective", True, None), (4, 1, 4, 1, 1, "selective", True, None),
+        (1, 1, 16, 1, 1, "full", False, None)],
     "configs/llama2_13b.yaml": [
-        (2, 1, 4, 1, 1, "selective", True), (4, 1, 2, 1, 1, "selective", True), (8, 1, 1, 1, 1, "none", True),
-        (4, 2, 1, 1, 2, "selective", True), (2, 2, 2, 1, 2, "full", True)],
+        (4, 1, 4, 1, 1, "selective", True, None),
+        (2, 1, 4, 1, 1, "selective", True, None), (8, 1, 1, 1, 1, "none", True, None),
+        (4, 2, 1, 1, 2, "selective", True, None), (2, 2, 2, 1, 2, "full", True, None)],
     "configs/mixtral_8x7b.yaml": [
-        (2, 4, 8, 8, 1, "selective", True), (2, 4, 8, 8, 2, "selective", True), (1, 4, 16, 8, 1, "full", False),
-        (2, 8, 4, 4, 2, "selective", True), (4, 4, 4, 4, 1, "selective", True)],
+        (2, 4, 4, 8, 2, "selective", True, 1),
+        (2, 4, 8, 8, 2, "selective", True, None),
+        (1, 4, 8, 8, 2, "full", False, None), (2, 8, 2, 4, 2, "selective", True, 1)],
 }
 
 
 def analytic_table() -> str:
-    rows = ["| config | TP | PP | DP | EP | VP | recompute | SP | params (B) | weights | grads | optimizer | "
-            "LoCo error + workspace | activations | total GiB | fits 80 GB | fits 141 GB |",
-            "|" + "---|" * 17]
+    rows = ["| config | GPUs | TP | PP | DP | EP | ETP | expert DP | VP | recompute | SP | params (B) | weights | "
+            "grads | optimizer | LoCo error + workspace | activations | total GiB | fits 80 GB | fits 141 GB |",
+            "|" + "---|" * 20]
     for cfg, layouts in LAYOUTS.items():
-        for tp, pp, dp, ep, vp, rc, sp in layouts:
-            r = analytic(str(REPO / cfg), tp, pp, dp, ep, vp, rc, sp, micro_batch=1)
+        stem = pathlib.Path(cfg).stem
+        for tp, pp, dp, ep, vp, rc, sp, etp in layouts:
+            r = analytic(str(REPO / cfg), tp, pp, dp, ep, vp, rc, sp, etp=etp,
+                         vocab=VOCAB.get(stem, 32000))
             gib = {k: v / GIB for k, v in r.items()}
             rows.append(
-                f"| {pathlib.Path(cfg).stem} | {tp} | {pp} | {dp} | {ep} | {vp} | {rc} | {'on' if sp else 'off'} | "
+                f"| {stem} | {tp * pp * dp} | {tp} | {pp} | {dp} | {ep} | {etp or tp} | {r['expert_dp'] or '-'} | {vp} | "
+                f"{rc} | {'on' if sp else 'off'} | "
                 f"{r['params'] / 1e9:.2f} | {gib['weights']:.1f} | {gib['grads']:.1f} | {gib['optimizer']:.1f} | "
                 f"{gib['loco_error'] + gib['loco_workspace']:.1f} | {gib['activations']:.1f} | "
-                f"{gib['total']:.1f} | {'yes' if r['total'] < 0.92 * 80e9 else 'no'} | "
+                f"{gib['total']:.3g} | {'yes' if r['total'] < 0.92 * 80e9 else 'no'} | "
                 f"{'yes' if r['total'] < 0.92 * 141e9 else 'no'} |")
     return "\n".join(rows)
 
@@ -165,7 +148,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--data-cache-path", default=None)
     args = ap.parse_args()
-    print("Analytic, per GPU on the first pipeline stage, micro batch 1, LoCo 4-bit, bf16 weights, "
+    print("Analytic, per GPU on the first pipeline stage, each config's micro batch, LoCo 4-bit, bf16 weights, "
           "fp32 grads (budget: 92% of the card):\n")
     print(analytic_table(), flush=True)
     if args.analytic_only:

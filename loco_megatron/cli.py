@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help=f"YAML file of flag: value pairs (default {DEFAULT_CONFIG.name})")
+    launch = parser.add_argument_group("launch (not run settings: never read from --config)")
+    launch.add_argument("--dry-run", dest="dry_run", action="store_true",
+                        help="validate the config and the layout for --world-size ranks as a real start "
+                             "would, print the start-up summary with a memory estimate per GPU, and exit "
+                             "(no processes, no torch.distributed)")
+    launch.add_argument("--world-size", dest="world_size", type=int, metavar="INT",
+                        help="with --dry-run: the ranks of the job to check (default: $WORLD_SIZE or 1)")
     for section, cls in _sections().items():
         group = parser.add_argument_group(section)
         docs = _field_docs(cls)
@@ -188,14 +195,20 @@ def make_config(values: dict[str, Any], command_line: Sequence[str] = ()) -> Con
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
     """Flags (and the config file they name) -> validated Config. Raises ConfigError."""
+    return _parse(argv)[0]
+
+
+def _parse(argv: Optional[Sequence[str]]) -> tuple[Config, dict[str, Any]]:
+    """(validated Config, the launch options given: ``dry_run``, ``world_size``)."""
     args = vars(build_parser().parse_args(argv))
+    launch = {k: args.pop(k) for k in ("dry_run", "world_size") if k in args}
     config_path = args.pop("config", str(DEFAULT_CONFIG))
     values = load_yaml_config(config_path)
     for name, (other, off) in ALTERNATIVES.items():
         if name in args and other not in args:
             values[other] = off
     values.update(args)
-    return make_config(values, command_line=args)
+    return make_config(values, command_line=args), launch
 
 
 def report_error(error: ConfigError, rank: int) -> None:
@@ -213,8 +226,24 @@ def report_error(error: ConfigError, rank: int) -> None:
 
 def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv]:
     """Entry-point helper: parse or exit(2) with one line naming the problem."""
+    config, env, _ = main_invocation(argv)
+    return config, env
+
+
+def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv, Optional[int]]:
+    """(config, environment, the world size to dry-run or None for a real start); exit(2)
+    with one line naming the problem."""
     try:
-        return parse_config(argv), LaunchEnv.from_environ()
+        config, launch = _parse(argv)
+        env = LaunchEnv.from_environ()
+        if not launch.get("dry_run"):
+            if "world_size" in launch:
+                raise ConfigError("--world-size: only with --dry-run (torchrun gives a real start its world size)")
+            return config, env, None
+        world = launch.get("world_size", env.world_size)
+        if world < 1:
+            raise ConfigError(f"--world-size: {world} must be >= 1")
+        return config, env, world
     except ConfigError as e:
         report_error(e, int(os.environ.get("RANK", "0")))
         raise SystemExit(2)

@@ -62,6 +62,7 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tp,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
     )
     # Same seed on every DP replica (identical init), per-TP-rank streams for TP regions.

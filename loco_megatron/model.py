@@ -34,6 +34,7 @@ def transformer_config(config: Config):
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tp, layernorm_epsilon=m.norm_epsilon,
         use_cpu_initialization=m.use_cpu_initialization,
         variable_seq_lengths=m.num_experts is not None and p.pipeline_model_parallel_size > 1,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
@@ -55,10 +56,7 @@ def layer_spec(config: Config, tconf=None, vp_stage=None):
 
     m = config.model
     if m.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise ConfigError("--transformer-impl transformer_engine: TransformerEngine is not installed") from None
+        check_transformer_engine(config)
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization)
@@ -76,6 +74,19 @@ def layer_spec(config: Config, tconf=None, vp_stage=None):
             setattr(spec.submodules, name, SequenceParallelNorm)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconf, vp_stage),
                                       layer_norm=SequenceParallelNorm)
+
+
+def check_transformer_engine(config: Config) -> None:
+    """One-line ConfigError when ``--transformer-impl transformer_engine`` is asked for and
+    TransformerEngine cannot be imported (checked before any process group starts)."""
+    if config.model.transformer_impl != "transformer_engine":
+        return
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or a TE built for another torch/CUDA (OSError, RuntimeError)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("--transformer-impl transformer_engine: TransformerEngine cannot be imported "
+                          f"({why}); install requirements-gpu.txt or use --transformer-impl local") from None
 
 
 class SequenceParallelNorm:
@@ -170,6 +181,7 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type, vp_stage=vp_stage,
+            rotary_base=m.rotary_base, rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
         )
         _seed_outside_layers(model, config.train.seed, m.init_method_std,
                              tied=not m.untie_embeddings_and_output_weights)

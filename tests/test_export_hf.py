@@ -24,6 +24,9 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "1", "--global-batch-size", "2"]
 
 
+KNOBS = ["--rotary-base", "500000", "--norm-epsilon", "1e-6", "--use-rope-scaling", "--rope-scaling-factor", "4"]
+
+
 def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,7 +83,8 @@ def dense(work) -> pathlib.Path:
     proc = _run([sys.executable, "tools/preprocess_data.py", "--input", str(docs), "--tokenizer-model",
                  str(work / "tok.model"), "--output-prefix", str(work / "ds")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    gqa = ["--num-query-groups", "2"]
+    # GQA, and RoPE/norm settings other than megatron's defaults (theta 10000, eps 1e-5, no scaling).
+    gqa = ["--num-query-groups", "2", *KNOBS]
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "pretrain_gpt.py",
                  *SHAPE, *gqa, "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--lr", "0.05",
                  "--lr-warmup-iters", "0", "--eval-interval", "0", "--data-path", str(work / "ds"),
@@ -101,12 +105,18 @@ def test_trainer_pp2_checkpoint_exports_to_llama_with_the_tp2_logits(work, dense
     reassembled (or a layer numbering that differs from the TP 2 model computing the
     reference), vocabulary padding left in the embedding, the run's tokenizer (named in the
     saved config) not found without --tokenizer-model, or a config.json (RoPE theta, eps,
-    head counts) that computes something else."""
+    head counts) that computes something else: the run's --rotary-base 500000, --norm-epsilon
+    1e-6 and LLaMA-3 RoPE scaling must reach config.json (10000 / 1e-5 / none were written
+    whatever the run used)."""
     import json
 
     hf = json.loads((work / "dense_hf" / "config.json").read_text())
     assert (hf["architectures"], hf["num_key_value_heads"], hf["tie_word_embeddings"]) == (
         ["LlamaForCausalLM"], 2, False)
+    assert (hf["rope_theta"], hf["rms_norm_eps"]) == (500000.0, 1e-6)
+    assert hf["rope_scaling"] == hf["rope_parameters"] == {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     _assert_logits_match(work / "dense_hf", dense / "reference.pt", "LlamaForCausalLM")
 
 
@@ -172,6 +182,7 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     shutil.copytree(ckpt, learned)
     common = dist_checkpointing.load_common_state_dict(str(learned))
     common["config"]["model"]["position_embedding_type"] = "learned_absolute"
+    common["config"]["model"]["use_rope_scaling"] = False  # (the fixture's RoPE scaling needs RoPE)
     torch.save(common, learned / "common.pt")
     sidecar = learned / files.SIDECAR.format(rank=0)  # a consistent checkpoint of another model
     sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "common.pt": files.sha256(learned / "common.pt")}))
@@ -235,6 +246,28 @@ def test_options_llama_and_mixtral_cannot_express_are_named():
     tconf.moe_router_pre_softmax = True
     with pytest.raises(ConfigError, match="moe_router_pre_softmax"):
         check_exportable(moe, tconf)
+
+
+def test_exported_rope_computes_megatrons_frequencies():
+    """Guards against a config.json whose RoPE differs from what megatron-core applied in
+    training: transformers' frequencies from the exported rope parameters (theta and the
+    'llama3' scaling with its low/high frequency factors and original context) must equal
+    megatron's RotaryEmbedding.inv_freq exactly, with and without --use-rope-scaling (the
+    end-to-end logits test sees only 24 positions, where scaling barely shows)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from loco_megatron.cli import parse_config
+    from loco_megatron.export.hf_config import hf_config
+
+    shape = ["--hidden-size", "256", "--num-attention-heads", "2", "--rotary-base", "500000"]
+    for scaling in ([], ["--use-rope-scaling", "--rope-scaling-factor", "8"], ["--use-rope-scaling"]):
+        config = parse_config(shape + scaling)
+        theirs = LlamaRotaryEmbedding(LlamaConfig(**hf_config(config, 4096, "float32", {}))).inv_freq
+        ours = RotaryEmbedding(kv_channels=128, rotary_percent=1.0, rotary_base=500000, rope_scaling=bool(scaling),
+                               rope_scaling_factor=config.model.rope_scaling_factor, use_cpu_initialization=True)
+        assert torch.equal(theirs, ours.inv_freq), scaling
 
 
 def test_export_takes_special_ids_from_the_tokenizer_and_generate_stops_at_eos(tmp_path):

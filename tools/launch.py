@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Per-node torchrun commands for a Slurm allocation (used by ``tools/slurm/*.sbatch``).
 
-    # what every node would run, for the current (or a faked) SLURM_* environment:
+    # what every node would run, for the current (or a faked) SLURM_* environment, after
+    # pretrain_gpt.py --dry-run for nodes x GPUs per node ranks (its one line, exit 2, if impossible):
     python tools/launch.py render --config configs/gpt_1.3b.yaml --run-dir runs/gpt -- --loco-bits 4
     # on one node (one Slurm task per node): exec its torchrun
     srun --ntasks-per-node=1 python tools/launch.py exec --config ... --run-dir ... -- OVERRIDES
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shlex
 import shutil
 import subprocess
 import sys
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 RDZV_PORT_BASE = 29400
 # torch 2.13: with the rendezvous' TCP store shared with the workers, a group restarted by
 # --max-restarts fails in "Gloo connectFullMesh"; a store per rendezvous round restarts.
@@ -53,6 +56,22 @@ def expand_hostlist(spec: str, env: dict | None = None) -> list[str]:
     return hosts
 
 
+def gpus_per_node(env: dict, nproc_per_node: int | None = None) -> int:
+    """--nproc-per-node, else SLURM_GPUS_ON_NODE (e.g. '8' or '8(IDX:0-7)'), else 1."""
+    return nproc_per_node or int(str(env.get("SLURM_GPUS_ON_NODE", "1")).split("(")[0] or 1)
+
+
+def dry_run(python: str, config: str, overrides: list[str], world_size: int) -> tuple[int, str]:
+    """``pretrain_gpt.py --dry-run`` for the job: (exit code, its report or its one error line).
+    The same config and layout checks a real start makes, without starting anything."""
+    proc = subprocess.run([python, str(REPO / "pretrain_gpt.py"), "--config", config, *overrides, "--dry-run",
+                           "--world-size", str(world_size)], capture_output=True, text=True)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines() or [f"the dry run failed with exit code {proc.returncode}"]
+        return proc.returncode, lines[-1]
+    return 0, proc.stdout.strip()
+
+
 def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides: list[str],
                  nproc_per_node: int | None = None, python: str = "python", max_restarts: int = 0) -> list[str]:
     """The torchrun command for node ``node_rank`` of the allocation described by ``env``."""
@@ -64,7 +83,7 @@ def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside the {nnodes}-node allocation")
     job = env.get("SLURM_JOB_ID", "0")
-    nproc = nproc_per_node or int(str(env.get("SLURM_GPUS_ON_NODE", "1")).split("(")[0] or 1)
+    nproc = gpus_per_node(env, nproc_per_node)
     port = RDZV_PORT_BASE + int(job) % 1000 if job.isdigit() else RDZV_PORT_BASE
     ckpt = f"{run_dir}/checkpoints"
     return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
@@ -95,6 +114,12 @@ def main() -> None:
     try:
         if args.mode == "render":
             nnodes = int(env.get("SLURM_NNODES") or len(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""), env)))
+            world = nnodes * gpus_per_node(env, args.nproc_per_node)
+            rc, report = dry_run(args.python, args.config, overrides, world)
+            if rc:
+                print(report, file=sys.stderr)
+                sys.exit(rc)
+            print("\n".join(f"# {line}" for line in report.splitlines()))
             for i in range(nnodes):
                 cmd = node_command(i, env, args.config, args.run_dir, overrides, args.nproc_per_node, args.python,
                                args.max_restarts)

@@ -26,6 +26,15 @@ class ModelConfig:
     """Longest sequence the position embedding supports (None = seq length)."""
     position_embedding_type: str = "rope"
     """'rope' (LLaMA) or 'learned_absolute' (GPT-2)."""
+    rotary_base: int = 10000
+    """RoPE base period theta (LLaMA-2 10000, LLaMA-3 500000, Mixtral 1000000)."""
+    use_rope_scaling: bool = False
+    """LLaMA-3.1 RoPE frequency scaling (megatron-core's fixed low/high frequency factors 1 and 4
+    over an original context of 8192 tokens)."""
+    rope_scaling_factor: float = 8.0
+    """Divisor of the low RoPE frequencies with --use-rope-scaling (LLaMA-3.1: 8)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm (megatron-core's layernorm_epsilon; LLaMA and Mixtral: 1e-5)."""
     swiglu: bool = True
     """SwiGLU MLP (LLaMA) instead of GeLU."""
     normalization: str = "RMSNorm"
@@ -72,6 +81,11 @@ class ModelConfig:
                  "must be at least --seq-length")
         require(self.position_embedding_type in ("rope", "learned_absolute"),
                  "position_embedding_type", "must be 'rope' or 'learned_absolute'")
+        require(self.rotary_base > 0, "rotary_base", "must be positive")
+        require(self.norm_epsilon > 0, "norm_epsilon", "must be positive")
+        require(self.rope_scaling_factor >= 1.0, "rope_scaling_factor", "must be >= 1")
+        if self.use_rope_scaling:
+            require(self.position_embedding_type == "rope", "use_rope_scaling", "needs --position-embedding-type rope")
         require(self.normalization in ("RMSNorm", "LayerNorm"), "normalization",
                  "must be 'RMSNorm' or 'LayerNorm'")
         require(self.transformer_impl in ("local", "transformer_engine"), "transformer_impl",

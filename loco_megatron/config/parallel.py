@@ -16,6 +16,10 @@ class ParallelConfig:
     """Pipeline stages per model replica."""
     expert_model_parallel_size: int = 1
     """Expert-parallel ranks (MoE experts are split across them)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel ranks of each expert (None = --tensor-model-parallel-size). MoE parallel
+    folding: the expert layers get their own TP x EP x DP grid over the same ranks, so
+    e.g. ETP 1 lets the dense TP ranks hold different experts instead of expert slices."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state and main params across data-parallel ranks (ZeRO-1)."""
     overlap_grad_reduce: bool = True
@@ -39,10 +43,17 @@ class ParallelConfig:
     """Context-parallel ranks (split each sequence across ranks). Only 1: megatron-core 0.16
     implements it in TransformerEngine's attention only."""
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (megatron's default: the dense TP size)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.expert_tensor_parallel_size is not None:
+            require(self.expert_tensor_parallel_size >= 1, "expert_tensor_parallel_size", "must be >= 1")
         if self.ddp_bucket_size is not None:
             require(self.ddp_bucket_size > 0, "ddp_bucket_size", "must be positive")
         if self.overlap_param_gather:
@@ -50,8 +61,8 @@ class ParallelConfig:
         require(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
                  "needs --tensor-model-parallel-size > 1")
         require(self.context_parallel_size == 1, "context_parallel_size",
-                 "needs TransformerEngine: megatron-core 0.16 implements context parallelism only in "
-                 "TEDotProductAttention (--transformer-impl transformer_engine), which loco-megatron does not wire")
+                 "is not supported: megatron-core 0.16 implements context parallelism only in TransformerEngine's "
+                 "attention, and loco-megatron does not split the batches' sequences across CP ranks")
         require(self.virtual_pipeline_model_parallel_size is None
                  or self.num_layers_per_virtual_pipeline_stage is None, "num_layers_per_virtual_pipeline_stage",
                  "give either it or --virtual-pipeline-model-parallel-size, not both")

@@ -45,10 +45,32 @@ class Config:
                  f"{p.pipeline_model_parallel_size}")
         if p.expert_model_parallel_size > 1:
             require(m.num_experts is not None, "expert_model_parallel_size", "needs --num-experts")
+        if p.expert_tensor_parallel_size is not None:
+            require(m.num_experts is not None, "expert_tensor_parallel_size", "needs --num-experts")
         if m.num_experts is not None:
             require(m.num_experts % p.expert_model_parallel_size == 0, "num_experts",
                      f"{m.num_experts} is not divisible by --expert-model-parallel-size "
                      f"{p.expert_model_parallel_size}")
+            expert_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+            require(expert_ffn % p.expert_tp == 0, "moe_ffn_hidden_size",
+                     f"{expert_ffn} is not divisible by the expert tensor-parallel size {p.expert_tp}")
+            # megatron-core asserts this in TransformerConfig (no-SwiGLU MLPs have biases).
+            require(m.swiglu or p.expert_tp == 1, "expert_tensor_parallel_size",
+                     f"is {p.expert_tp}: megatron-core supports biased (--no-swiglu) experts only with 1")
+            # megatron-core 0.16.1 marks expert parameters as such (allreduce=False, reduced over
+            # the expert data-parallel group) only when EP > 1; with EP 1 they join the dense
+            # buckets and are reduced over the dense DP group, so with ETP < TP the TP ranks'
+            # copies of each expert (fed different tokens) drift apart (tested: they differ
+            # after 3 steps at TP 2, ETP 1, EP 1, with and without LoCo).
+            require(p.expert_model_parallel_size > 1 or p.expert_tp == p.tensor_model_parallel_size,
+                     "expert_tensor_parallel_size",
+                     f"{p.expert_tp} differs from --tensor-model-parallel-size {p.tensor_model_parallel_size} with "
+                     "--expert-model-parallel-size 1: megatron-core then syncs expert gradients over the dense "
+                     "data-parallel group only; use EP > 1 or ETP = TP")
+            # Megatron-LM's rule: the all-to-all dispatcher splits each TP rank's tokens, which
+            # are the TP group's common tokens unless the sequence is split over TP.
+            require(p.expert_model_parallel_size == 1 or p.tensor_model_parallel_size == 1 or p.sequence_parallel,
+                     "sequence_parallel", "is required with expert parallelism and tensor parallelism together")
         if p.grad_reduce_in_bf16:
             require(m.bf16, "grad_reduce_in_bf16", "needs --bf16")
         if self.loco.param_gather_bits:
@@ -76,17 +98,19 @@ class Config:
                      f"{m.recompute_num_layers} exceeds the {per_chunk} layers per model chunk")
 
     def data_parallel_size(self, world_size: int) -> int:
-        """DP size for ``world_size`` ranks; raises ConfigError when the layout does not fit."""
+        """DP size of the dense layers for ``world_size`` ranks; raises ConfigError when the
+        layout does not fit. megatron-core's rules (``initialize_model_parallel``): the dense
+        layers need TP x PP x CP to divide the world, the expert layers (their own grid over
+        the same ranks: MoE parallel folding) ETP x EP x PP."""
         p = self.parallel
-        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         if world_size % mp != 0:
             raise ConfigError(
-                f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {mp} "
-                f"does not divide the world size {world_size}")
+                f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size = "
+                f"{p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x {p.context_parallel_size} "
+                f"= {mp} does not divide the world size {world_size}")
         dp = world_size // mp
-        require(dp % p.expert_model_parallel_size == 0 or p.expert_model_parallel_size == 1,
-                 "expert_model_parallel_size",
-                 f"{p.expert_model_parallel_size} does not divide the data-parallel size {dp}")
+        self.expert_data_parallel_size(world_size)
         d = self.data
         require(d.global_batch_size % (d.micro_batch_size * dp) == 0, "global_batch_size",
                  f"{d.global_batch_size} is not divisible by --micro-batch-size x data-parallel size "
@@ -98,6 +122,21 @@ class Config:
                      f"{micro} micro batches per step is not a multiple of --pipeline-model-parallel-size "
                      f"{p.pipeline_model_parallel_size} (needed by the interleaved schedule)")
         return dp
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size of the expert layers (the group their gradients are reduced
+        over) for ``world_size`` ranks; 0 for a dense model. Raises ConfigError when
+        ETP x EP x PP does not divide the world."""
+        p = self.parallel
+        if self.model.num_experts is None:
+            return 0
+        ep_grid = p.expert_tp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
+        if world_size % ep_grid != 0:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size x --expert-model-parallel-size x --pipeline-model-parallel-size = "
+                f"{p.expert_tp} x {p.expert_model_parallel_size} x {p.pipeline_model_parallel_size} = {ep_grid} "
+                f"does not divide the world size {world_size}")
+        return world_size // ep_grid
 
     def to_flat_dict(self) -> dict:
         """Every option as {flag_name: value}, e.g. for wandb.config and checkpoints."""

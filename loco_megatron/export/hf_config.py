@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from loco_megatron.config import Config, ConfigError
 
-ROPE_THETA = 10000.0
-"""megatron-core's GPTModel default ``rotary_base`` (loco-megatron does not change it)."""
 
 # TransformerConfig fields (megatron's names) that LlamaForCausalLM / MixtralForCausalLM
 # cannot express, with the value they must have. loco-megatron sets most of them
@@ -55,6 +53,26 @@ def _unsupported(option: str, why: str) -> None:
     raise ConfigError(f"{option}: cannot be exported to Hugging Face LlamaForCausalLM/MixtralForCausalLM ({why})")
 
 
+def rope_parameters(config: Config) -> dict:
+    """Hugging Face's RoPE description of the run's RoPE: theta = --rotary-base and, with
+    --use-rope-scaling, the LLaMA-3.1 ('llama3') frequency scaling with --rope-scaling-factor
+    and the low/high frequency factors and original context that megatron-core applies
+    (the defaults of its ``RotaryEmbedding._apply_scaling``, which GPTModel does not pass)."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    m = config.model
+    out = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.use_rope_scaling:
+        fixed = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+        out.update(rope_type="llama3", factor=float(m.rope_scaling_factor),
+                   low_freq_factor=float(fixed["low_freq_factor"].default),
+                   high_freq_factor=float(fixed["high_freq_factor"].default),
+                   original_max_position_embeddings=int(fixed["original_max_position_embeddings"].default))
+    return out
+
+
 def hf_config(config: Config, vocab_size: int, dtype: str, special_ids: dict) -> dict:
     """config.json for ``LlamaForCausalLM`` (dense) or ``MixtralForCausalLM`` (MoE).
 
@@ -66,6 +84,7 @@ def hf_config(config: Config, vocab_size: int, dtype: str, special_ids: dict) ->
     """
     m = config.model
     heads = m.num_attention_heads
+    rope = rope_parameters(config)
     out = {
         "vocab_size": vocab_size,
         "hidden_size": m.hidden_size,
@@ -75,9 +94,12 @@ def hf_config(config: Config, vocab_size: int, dtype: str, special_ids: dict) ->
         "head_dim": m.hidden_size // heads,
         "hidden_act": "silu",
         "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": 1e-5,  # megatron TransformerConfig.layernorm_epsilon default
-        "rope_theta": ROPE_THETA,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "rms_norm_eps": m.norm_epsilon,
+        # transformers 4.x reads rope_theta + rope_scaling, 5.x rope_parameters (rope_scaling,
+        # when set, wins there too: both carry the same values).
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": rope if m.use_rope_scaling else None,
+        "rope_parameters": rope,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "attention_dropout": 0.0,
         "initializer_range": m.init_method_std,

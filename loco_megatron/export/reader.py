@@ -91,15 +91,17 @@ def read_run_config(path: pathlib.Path) -> Config:
 
 
 def single_rank_config(config: Config) -> Config:
-    """The same model shape on one rank: TP = PP = EP = 1, no virtual stages, no sequence
-    parallelism or recomputation (neither changes a weight)."""
+    """The same model shape on one rank: TP = PP = EP = ETP = 1, no virtual stages, no sequence
+    parallelism or recomputation (neither changes a weight), megatron-core's local layers (a
+    TransformerEngine run's dense checkpoint loads into them through the local spec's
+    ``sharded_state_dict_keys_map``; the export needs no TransformerEngine)."""
     parallel = dataclasses.replace(
         config.parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, sequence_parallel=False,
         use_distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
     model = dataclasses.replace(config.model, recompute_granularity=None, recompute_method=None,
-                                recompute_num_layers=None, use_cpu_initialization=True)
+                                recompute_num_layers=None, use_cpu_initialization=True, transformer_impl="local")
     loco = dataclasses.replace(config.loco, param_gather_bits=0)
     return dataclasses.replace(config, parallel=parallel, model=model, loco=loco)
 

@@ -50,6 +50,12 @@ def tp_replicated_params(chunks: list, sequence_parallel: bool, qk_layernorm: bo
         for name, p in chunk.named_parameters():
             if not p.requires_grad or getattr(p, "tensor_model_parallel", False):
                 continue
+            # Expert parameters (megatron marks them allreduce=False) live on the expert grid:
+            # with --expert-tensor-parallel-size 1 the dense TP peers hold *different* experts
+            # (parallel folding), and megatron allows unsplit (bias) expert parameters only
+            # with ETP 1, so no expert parameter has a TP replica to agree with.
+            if not getattr(p, "allreduce", True):
+                continue
             if getattr(p, "average_gradients_across_tp_domain", False):
                 continue
             if (sequence_parallel and getattr(p, "sequence_parallel", False)) or (

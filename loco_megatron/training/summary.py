@@ -21,35 +21,60 @@ def _grad_buffer_bytes(chunks: list) -> tuple[int, int]:
     return numel, nbytes
 
 
+def model_line(config: Config, vocab_size: int, on_rank0: str = "") -> str:
+    """Whole-model size and FLOPs per token (``vocab_size``: the padded vocabulary)."""
+    total = parameter_count(config.model, vocab_size)
+    return (f"model: {total:,} parameters ({total / 1e9:.3f} B){on_rank0}; "
+            f"{training_flops_per_token(config.model, vocab_size) / 1e9:.3f} GFLOP per training token")
+
+
+def layout_line(config: Config, world_size: int, dp: int, expert_dp: int) -> str:
+    """The dense grid, the expert grid (MoE: its own TP x EP x DP over the same ranks) and
+    the memory options. ``expert_dp``: 0 for a dense model."""
+    m, p = config.model, config.parallel
+    experts = ""
+    if m.num_experts is not None:
+        experts = (f"; experts ETP {p.expert_tp} x EP {p.expert_model_parallel_size} x PP "
+                   f"{p.pipeline_model_parallel_size} x expert DP {expert_dp}")
+    return (f"layout: world {world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
+            f"x DP {dp} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){experts}, "
+            f"sequence parallel {'on' if p.sequence_parallel else 'off'}, "
+            f"recompute {m.recompute_granularity or 'none'}, {m.transformer_impl} layers")
+
+
+def batch_line(config: Config, dp: int) -> str:
+    d, m = config.data, config.model
+    return (f"batch: micro {d.micro_batch_size} x {d.global_batch_size // (d.micro_batch_size * dp)} "
+            f"micro batches x DP {dp} = global {d.global_batch_size} samples = "
+            f"{d.global_batch_size * m.seq_length:,} tokens per step")
+
+
+def loco_settings(config: Config) -> str:
+    lc = config.loco
+    return (f"LoCo: {lc.loco_bits}-bit {lc.loco_quantizer}/{lc.loco_scale}/rotation {lc.loco_rotation}/"
+            f"{lc.loco_rounding}, block {lc.loco_block_size}, beta {lc.loco_beta}, error "
+            f"{lc.loco_error_bits}-bit, reset every {lc.loco_reset_interval or 'never'}, warmup "
+            f"{lc.loco_warmup_iters} steps")
+
+
 def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_size: int,
                     kernels_why: Optional[str] = None) -> str:
     """Lines describing the run (for rank 0's console); ``chunks`` are this rank's DDP
     model chunks, so 'this rank' figures are rank 0's. ``kernels_why``: why the gradients'
     compression runs on torch where a fused path might have (see
     :func:`~loco_megatron.loco.kernel_choice.choose_kernels`)."""
-    m, p, d, lc = config.model, config.parallel, config.data, config.loco
-    total = parameter_count(m, vocab_size)
+    lc = config.loco
     here = sum(param.numel() for chunk in chunks for param in chunk.parameters())
-    tokens = d.global_batch_size * m.seq_length
     numel, raw = _grad_buffer_bytes(chunks)
     lines = [
-        f"model: {total:,} parameters ({total / 1e9:.3f} B), {here:,} on rank 0; "
-        f"{training_flops_per_token(m, vocab_size) / 1e9:.3f} GFLOP per training token",
-        f"layout: world {layout.world_size} = TP {p.tensor_model_parallel_size} x PP {layout.pp_size} "
-        f"x DP {layout.dp_size} (VPP {p.virtual_pipeline_model_parallel_size or 1}, "
-        f"EP {p.expert_model_parallel_size}, CP {p.context_parallel_size}), "
-        f"sequence parallel {'on' if p.sequence_parallel else 'off'}, "
-        f"recompute {m.recompute_granularity or 'none'}",
-        f"batch: micro {d.micro_batch_size} x {d.global_batch_size // (d.micro_batch_size * layout.dp_size)} "
-        f"micro batches x DP {layout.dp_size} = global {d.global_batch_size} samples = {tokens:,} tokens per step",
+        model_line(config, vocab_size, f", {here:,} on rank 0"),
+        layout_line(config, layout.world_size, layout.dp_size, config.expert_data_parallel_size(layout.world_size)),
+        batch_line(config, layout.dp_size),
     ]
     if lc.enabled:
         sent = numel * lc.loco_bits // 8 + 4 * -(-numel // lc.loco_block_size)
         lines.append(
-            f"LoCo: {lc.loco_bits}-bit {lc.loco_quantizer}/{lc.loco_scale}/rotation {lc.loco_rotation}/"
-            f"{lc.loco_rounding}, block {lc.loco_block_size}, beta {lc.loco_beta}, error "
-            f"{lc.loco_error_bits}-bit, reset every {lc.loco_reset_interval or 'never'}, warmup "
-            f"{lc.loco_warmup_iters} steps; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
+            f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")
     else:
         lines.append(f"LoCo: off; rank 0 reduce-scatters {raw / 2**20:.2f} MiB of gradients per step")

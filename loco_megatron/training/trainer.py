@@ -30,6 +30,7 @@ from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
 from loco_megatron.training.flops import throughput_for
 from loco_megatron.training.health import RunAborted, SkipGuard
+from loco_megatron.training.preflight import check_start
 from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
@@ -47,8 +48,9 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     loco_config, comm_stats)`` the parameter all-gather (--param-gather-bits); pass
     other callables to swap them out.
     """
-    # Everything that can be validated without the process group is, before it exists.
-    config.data_parallel_size(env.world_size)
+    # Everything that can be validated without the process group is, before it exists
+    # (the layout checks are the ones --dry-run makes).
+    check_start(config, env.world_size)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
     sources = resolve_data(config, cache_dir)
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
@@ -182,6 +184,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     layout_key = {"world_size": layout.world_size, "tp": config.parallel.tensor_model_parallel_size,
                   "pp": layout.pp_size, "ep": config.parallel.expert_model_parallel_size,
                   **({"vpp": vpp} if vpp > 1 else {}),
+                  # (only when folded: checkpoints written before the flag existed stay loadable)
+                  **({"etp": config.parallel.expert_tp}
+                     if config.parallel.expert_tp != config.parallel.tensor_model_parallel_size else {}),
                   "model": [config.model.num_layers, config.model.hidden_size, vocab,
                             config.model.num_experts],
                   # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the

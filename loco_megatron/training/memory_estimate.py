@@ -1,0 +1,107 @@
+"""Analytic memory per GPU of a run (used by ``pretrain_gpt.py --dry-run`` and
+``benchmarks/memory.py``).
+
+Bytes per GPU on the first pipeline stage (the fullest), for the run's own layout:
+
+* weights: 2 bytes per parameter with --bf16, else 4;
+* gradients: megatron's DDP buffer, 4 bytes per parameter (2 with --grad-reduce-in-bf16);
+* optimizer: fp32 main params + Adam moments, 12 bytes per parameter with --bf16 (8 in
+  fp32, where the weights are the main params), divided by the data-parallel size that
+  shards it with --use-distributed-optimizer: the dense DP for dense parameters, the
+  expert DP (world / (ETP x EP x PP)) for expert ones;
+* LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
+  gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
+  rank's parameters, plus its send/receive payloads);
+* activations of the micro batches in flight (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", arXiv 2205.05198: per layer and micro batch
+  ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with no parallelism; with TP t and sequence
+  parallelism ``s*b*h*(34/t + 5*a*s/(h*t))``, selective recomputation drops the ``5as/h``
+  term, full recomputation keeps ``2*s*b*h/t`` per layer plus one whole layer being
+  recomputed; 1F1B keeps PP micro batches in flight on the first stage, interleaving adds
+  ``(PP-1)/(PP*VP)``). The formula is the paper's GPT layer (4h MLP); for SwiGLU/GQA/MoE it is
+  an estimate.
+
+Dense parameters are split by TP x PP, expert parameters by ETP x EP x PP. Not counted: the
+CUDA context and allocator fragmentation (add ~5-10%).
+"""
+
+from __future__ import annotations
+
+from loco_megatron.config import Config
+from loco_megatron.training.flops import parameter_count
+
+GIB = 2**30
+DDP_BUCKET = 40_000_000
+"""megatron-core's default DDP bucket size (elements), when --ddp-bucket-size is not given."""
+PARTS = ("weights", "grads", "optimizer", "loco_error", "loco_workspace", "activations")
+"""The keys of :func:`estimate` that add up to its ``total``."""
+
+
+def expert_parameter_count(config: Config) -> int:
+    """Parameters inside the MoE experts (0 for a dense model); the router is dense."""
+    m = config.model
+    if m.num_experts is None:
+        return 0
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    up = 2 if m.swiglu else 1
+    bias = 0 if m.swiglu else f * up + m.hidden_size
+    return m.num_layers * m.num_experts * (m.hidden_size * f * up + f * m.hidden_size + bias)
+
+
+def _activations(config: Config) -> float:
+    m, p = config.model, config.parallel
+    s, b, h, a = m.seq_length, config.data.micro_batch_size, m.hidden_size, m.num_attention_heads
+    t, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    sp = p.sequence_parallel
+    layers = m.num_layers / pp
+    per_layer_no_attn = s * b * h * ((34 / t) if sp else (10 + 24 / t))
+    attn = s * b * h * 5 * a * s / (h * t)
+    in_flight = pp * (1 + ((pp - 1) / (pp * vp) if vp > 1 else 0))
+    if m.recompute_granularity == "full":  # layer inputs only, plus the one layer being recomputed
+        return 2 * s * b * h / (t if sp else 1) * layers * in_flight + per_layer_no_attn + attn
+    stored = per_layer_no_attn + (0 if m.recompute_granularity == "selective" else attn)
+    return stored * layers * in_flight
+
+
+def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
+    """Bytes per GPU (see the module doc) for ``config`` on ``world_size`` ranks, with a
+    ``vocab_size``-token tokenizer (padded here as the model pads it). Keys: :data:`PARTS`,
+    ``total`` (their sum), ``params`` (the whole model's), ``dp`` and ``expert_dp``.
+    Raises ConfigError when the layout does not fit ``world_size``."""
+    from loco_megatron.model import padded_vocab_size
+
+    m, p, lc = config.model, config.parallel, config.loco
+    dp = config.data_parallel_size(world_size)
+    expert_dp = config.expert_data_parallel_size(world_size)
+    tp, pp, ep, etp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                       p.expert_model_parallel_size, p.expert_tp)
+    total = parameter_count(m, padded_vocab_size(vocab_size, tp))
+    experts = expert_parameter_count(config)
+    dense_here = (total - experts) / (tp * pp)
+    experts_here = experts / (etp * ep * pp)
+    here = dense_here + experts_here
+    shard = (dp, expert_dp or 1) if p.use_distributed_optimizer else (1, 1)
+    optimizer_bytes = 12 if m.bf16 else 8
+    block = lc.loco_block_size
+    bucket = min(p.ddp_bucket_size or DDP_BUCKET, here)  # no bucket outgrows the rank's parameters
+    out = {
+        "weights": (2 if m.bf16 else 4) * here,
+        "grads": (2 if p.grad_reduce_in_bf16 else 4) * here,
+        "optimizer": optimizer_bytes * (dense_here / shard[0] + experts_here / shard[1]),
+        "loco_error": here * (1 + 4 / block) if lc.loco_bits else 0,
+        "loco_workspace": (2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block)) if lc.loco_bits else 0,
+        "activations": _activations(config),
+    }
+    out["total"] = sum(out[k] for k in PARTS)
+    out.update(params=total, dp=dp, expert_dp=expert_dp)
+    return out
+
+
+def estimate_line(est: dict) -> str:
+    """One line: each part and the total, in GiB (MiB for a total under 1 GiB)."""
+    unit, size = ("GiB", GIB) if est["total"] >= GIB else ("MiB", 2**20)
+    g = {k: est[k] / size for k in PARTS + ("total",)}
+    return (f"memory per GPU (estimate, first pipeline stage): weights {g['weights']:.1f} {unit}, gradients "
+            f"{g['grads']:.1f}, optimizer {g['optimizer']:.1f}, LoCo error + workspace "
+            f"{g['loco_error'] + g['loco_workspace']:.1f}, activations {g['activations']:.1f}; total "
+            f"{g['total']:.1f} {unit} (+5-10% CUDA context and fragmentation)")

@@ -1,0 +1,196 @@
+"""Layouts: megatron-core's rules for the dense and the (folded) expert grid, --dry-run,
+tools/launch.py render's layout check, the TransformerEngine flag, and LoCo on folded MoE."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, torchrun, train_losses
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def _dry_run(*args, world=None, env_extra=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
+    cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), *args, "--dry-run"]
+    cmd += ["--world-size", str(world)] if world else []
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _error_line(proc) -> str:
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def _geometry(config) -> int:
+    """Ranks the config's header says it assumes: '# GPUs: N nodes x G' or '# CPU: 1 node x R ranks'."""
+    head = config.read_text().split("\n\n")[0]
+    found = re.search(r"^# (?:GPUs|CPU): (\d+) nodes? x (\d+)", head, re.M)
+    assert found, f"{config.name}: its header comment must name the GPUs (or CPU ranks) it assumes"
+    return int(found.group(1)) * int(found.group(2))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_dry_runs_at_its_template_geometry(config):
+    """Guards against a shipped config that cannot start on the GPUs its header (and Slurm
+    template) assume: the Mixtral config's EP 8 did not divide the DP 4 of its 32-GPU
+    template before parallel folding. Also: the header names its memory per GPU, and every
+    GPU config uses TransformerEngine layers while this CPU machine still validates it; and
+    the header's memory per GPU is what benchmarks/memory.py prints for that layout (not a
+    number written by hand that drifts from the estimator)."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.training.preflight import dry_run
+
+    world = _geometry(config)
+    out = dry_run(parse_config(["--config", str(config)]), world)  # what --dry-run prints (CLI: below)
+    assert f"world size {world} are valid" in out and f"layout: world {world} = TP" in out
+    assert re.search(r"memory per GPU \(estimate.*total \d+\.\d (GiB|MiB)", out), out
+    if config.stem.startswith("tiny_"):
+        assert "local layers" in out
+    else:
+        assert "transformer_engine layers" in out and "TransformerEngine:" in out
+    # The header's memory figure is benchmarks/memory.py's for the shipped layout (its first row).
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import memory
+
+    tp, pp, dp, ep, vp, rc, sp, etp = memory.LAYOUTS[f"configs/{config.name}"][0]
+    assert tp * pp * dp == world
+    est = memory.analytic(str(config), tp, pp, dp, ep, vp, rc, sp, etp=etp, vocab=memory.VOCAB.get(config.stem, 32000))
+    header = re.search(r"^#.*Memory per (?:GPU|rank) \(benchmarks/memory\.py[^~]*~(\d+\.\d+) GiB", config.read_text(), re.M)
+    assert header and float(header.group(1)) == pytest.approx(est["total"] / 2**30, rel=0.02), (header, est["total"])
+
+
+def test_mixtral_folds_experts_on_its_32_gpus_and_impossible_layouts_give_one_line():
+    """Guards against the expert grid not being megatron-core's (world % (ETP x EP x PP)):
+    Mixtral's TP 2 x PP 4 x EP 8 fits 32 ranks only with ETP 1 (expert DP 1), and ETP 2
+    (megatron's default ETP = TP) needs 64; and against a dry run of an impossible layout
+    printing more than one line, a traceback, or exiting 0."""
+    mixtral = str(REPO / "configs" / "mixtral_8x7b.yaml")
+    proc = _dry_run("--config", mixtral, world=32)
+    assert "TP 2 x PP 4 x DP 4" in proc.stdout and "experts ETP 1 x EP 8 x PP 4 x expert DP 1" in proc.stdout
+    line = _error_line(_dry_run("--config", mixtral, "--expert-tensor-parallel-size", "2", world=32))
+    assert "--expert-tensor-parallel-size x --expert-model-parallel-size" in line and "2 x 8 x 4 = 64" in line
+    assert "64" in _dry_run("--config", mixtral, "--expert-tensor-parallel-size", "2", world=64).stdout
+    line = _error_line(_dry_run("--tensor-model-parallel-size", "2", world=3))
+    assert "--tensor-model-parallel-size" in line and "world size 3" in line
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--world-size", "4"], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert "--world-size: only with --dry-run" in _error_line(proc)  # a real start's world is torchrun's
+
+
+def test_launch_render_dry_runs_the_job_it_renders(tmp_path):
+    """Guards against rendering (and then submitting) a job whose layout cannot start: render
+    checks nodes x GPUs per node ranks and stops with the dry run's one line, exit 2."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_JOB_NODELIST="a,b", SLURM_NNODES="2",
+               SLURM_GPUS_ON_NODE="8", SLURM_JOB_ID="5")
+    cmd = [sys.executable, "tools/launch.py", "render", "--config", "configs/mixtral_8x7b.yaml",
+           "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --expert-tensor-parallel-size x --expert-model-parallel-size x "
+        "--pipeline-model-parallel-size = 1 x 8 x 4 = 32 does not divide the world size 16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(env, SLURM_NNODES="4", SLURM_JOB_NODELIST="a,b,c,d"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "# layout: world 32 = TP 2 x PP 4 x DP 4" in proc.stdout
+    assert sum(1 for l in proc.stdout.splitlines() if "torch.distributed.run" in l) == 4
+
+
+def test_config_rules_for_expert_folding_are_one_line_errors():
+    """Guards against megatron-core asserting (a traceback on every rank) for layouts the
+    config could have refused: biased (--no-swiglu) experts need ETP 1, the expert FFN must
+    split over ETP, ETP needs experts, and EP with TP needs sequence parallelism."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+
+    moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
+    for flags, named in ((moe + ["--no-swiglu"], "--expert-tensor-parallel-size"),
+                         (moe + ["--moe-ffn-hidden-size", "33", "--sequence-parallel"], "--moe-ffn-hidden-size"),
+                         (["--expert-tensor-parallel-size", "1"], "needs --num-experts"),
+                         (moe + ["--expert-model-parallel-size", "2"], "--sequence-parallel"),
+                         (moe + ["--expert-tensor-parallel-size", "1", "--sequence-parallel"], "EP > 1 or ETP = TP")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            parse_config(flags)
+    ok = parse_config(moe + ["--no-swiglu", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                             "--sequence-parallel"])
+    assert (ok.data_parallel_size(4), ok.expert_data_parallel_size(4)) == (2, 2)
+
+
+def test_transformer_engine_flag_without_te_is_one_line_before_any_process_group(tmp_path):
+    """Guards against --transformer-impl transformer_engine on a machine without
+    TransformerEngine failing deep in megatron's layer specs (after torch.distributed started,
+    once per rank) instead of one line, exit 2, with nothing written. (Where TE is installed,
+    the same check must let the run through.)"""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+    from loco_megatron.model import check_transformer_engine
+
+    config = parse_config(["--transformer-impl", "transformer_engine"])
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        with pytest.raises(ConfigError):
+            check_transformer_engine(config)
+    else:
+        check_transformer_engine(config)
+        return
+    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--transformer-impl", "transformer_engine",
+                           "--save", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    line = _error_line(proc)
+    assert "--transformer-impl transformer_engine: TransformerEngine cannot be imported" in line
+    assert not out.exists()
+
+
+def _params(path) -> dict:
+    model = torch.load(path, weights_only=False)["model"][0]
+    return {k: v for k, v in model.items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+@pytest.mark.parametrize("flags,expert_dp_groups", [
+    (["--expert-model-parallel-size", "4"], [[0], [1], [2], [3]]),
+    (["--expert-model-parallel-size", "2"], [[0, 2], [1, 3]]),
+], ids=["tp2-ep4-etp1", "tp2-ep2-etp1"])
+def test_folded_moe_trains_with_loco_and_every_group_agrees(flags, expert_dp_groups, cache_dir, tmp_path):
+    """Guards against LoCo syncing expert buckets over the wrong group under parallel folding
+    (TP 2 with ETP 1 on 4 gloo ranks): expert gradients must be reduced over megatron-core's
+    expert data-parallel group (EP 4: one rank each, megatron's exact path; EP 2: {0,2} and
+    {1,3}, compressed, while TP peers 0 and 1 hold different experts), dense ones over the
+    dense DP group, and TP-replicated ones (router, norms) must stay equal on all ranks. After
+    LoCo 4-bit training with finite losses, every parameter is bit-identical on the ranks of
+    the group that owns it (and folded experts are not averaged across TP: they differ)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    ck = tmp_path / "ck"
+    args = TINY + ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1", "--sequence-parallel", *flags, "--loco-bits", "4",
+                   "--train-iters", "3", "--save", str(ck), "--save-interval", "3", "--ckpt-format", "torch"]
+    proc, metrics = torchrun(4, args, cache_dir, tmp_path)
+    losses = train_losses(metrics)
+    assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(v)) for v in losses.values()), losses
+    assert [m for m in metrics if "comm/compressed_fraction" in m][-1]["comm/compressed_fraction"] == pytest.approx(1.0)
+    ep = int(flags[1])
+    # megatron-core's own rank layout (initialize_model_parallel's generators, default order).
+    dense = RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=1, ep=ep, dp=4 // ep, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    assert expert.get_ranks("dp") == expert_dp_groups
+    ranks = [_params(ck / "iter_0000003" / f"rank_0000{r}.pt") for r in range(4)]
+    for key in ranks[0]:
+        if ".experts." in key:
+            groups = expert.get_ranks("dp")
+        elif "router" in key or "layernorm" in key or "final_layernorm" in key:
+            groups = [[0, 1, 2, 3]]  # replicated over TP and DP
+        else:
+            groups = dense.get_ranks("dp")
+        for group in groups:
+            for r in group[1:]:
+                assert torch.equal(ranks[group[0]][key], ranks[r][key]), (key, group)
+        if ".experts." in key:  # TP peers hold different experts under folding
+            assert not torch.equal(ranks[0][key], ranks[1][key]), key
