@@ -155,9 +155,11 @@ def _params(path) -> dict:
 
 
 @pytest.mark.parametrize("flags,expert_dp_groups", [
-    (["--expert-model-parallel-size", "4"], [[0], [1], [2], [3]]),
+    # EP 2 is the folded layout whose expert buckets LoCo compresses; EP 4 (expert groups of
+    # one rank, megatron's exact path) was dropped for suite time: size-1 expert groups are
+    # covered by the MoE EP = DP runs of tests/test_training.py.
     (["--expert-model-parallel-size", "2"], [[0, 2], [1, 3]]),
-], ids=["tp2-ep4-etp1", "tp2-ep2-etp1"])
+], ids=["tp2-ep2-etp1"])
 def test_folded_moe_trains_with_loco_and_every_group_agrees(flags, expert_dp_groups, cache_dir, tmp_path):
     """Guards against LoCo syncing expert buckets over the wrong group under parallel folding
     (TP 2 with ETP 1 on 4 gloo ranks): expert gradients must be reduced over megatron-core's
