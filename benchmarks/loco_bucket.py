@@ -11,8 +11,9 @@ copy of the same gradient bytes on this machine. The 2-bit quantiser options
 ``--loco-rounding stochastic``) get rows of their own, measured the same way: every
 option sends ``bits/8`` bytes per padded element plus one fp32 scale per block and no
 side information, so their payload equals the original 2-bit scheme's. A second table adds the distributed
-optimizer's parameter all-gather (bf16 parameters; ``--param-gather-bits`` 8/4: the
-gathered codes + scales of ``loco/param_gather.py``), so gradients + parameters of
+optimizer's parameter all-gather (bf16 parameters; ``--param-gather-bits`` 8/4/2: the
+gathered codes + scales of ``loco/param_gather.py``; 2 bits paired with LoCo 2-bit, as a
+run with both at 2 bits shares its quantiser options), so gradients + parameters of
 each variant compare with bf16 reduce-scatter + bf16 all-gather.
 
     python benchmarks/loco_bucket.py                 # 50M elements, W=8
@@ -94,8 +95,8 @@ def main() -> None:
     sent = dict(rows)
     both = [("bf16 RS + bf16 all-gather", sent["bf16 reduce-scatter"], n * 2),
             ("LoCo 4-bit + bf16 all-gather", sent["LoCo 4-bit"], n * 2)]
-    for pbits in (8, 4):
-        both.append((f"LoCo 4-bit + params {pbits}-bit", sent["LoCo 4-bit"],
+    for gbits, pbits in ((4, 8), (4, 4), (2, 2)):  # the options change no byte: 2-bit codes + fp32 scales
+        both.append((f"LoCo {gbits}-bit + params {pbits}-bit", sent[f"LoCo {gbits}-bit"],
                      DeltaLayout(n, w, pbits, args.block_size).gathered_bytes))
     base = both[0][1] + both[0][2]
     print(f"\n{'gradients + parameters':<32}{'grad bytes':>14}{'param bytes':>14}{'total':>14}{'vs bf16+bf16':>14}")

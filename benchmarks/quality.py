@@ -11,6 +11,8 @@ two, the parameter all-gather) differs:
     noef4, noef2  plain low-bit quantisation (--loco-no-error-feedback)
     loco4p8       LoCo 4-bit + 8-bit parameter differences (--param-gather-bits 8)
     loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
+    loco2p2       LoCo 2-bit + 2-bit parameter differences (--param-gather-bits 2, with the
+                  gradients' 2-bit options; not in the default set: --variants loco2p2)
 
 The 2-bit section (``--variants 2bit``) runs the quantiser options one at a time and
 combined, with LoCo error feedback (``loco2-*``) and without (``noef2-*``); the suffix
@@ -73,6 +75,8 @@ VARIANTS = {
     "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback", *_options("")[1]]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
+    # Both at 2 bits: the parameter gather shares the gradients' (default 2-bit) options.
+    "loco2p2": ("LoCo 2-bit + params 2-bit", ["--loco-bits", "2", "--param-gather-bits", "2"]),
 }
 for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lambda x: (len(x), x)):
     _suffix, _flags = _options(_letters)
@@ -82,7 +86,7 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)]}
 """Names ``--variants`` expands (each a list of variants)."""
-MAIN = [v for v in VARIANTS if v != "loco2d" and "-" not in v]
+MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2") and "-" not in v]
 """The variants run when ``--variants`` is not given (the original study)."""
 
 

@@ -9,6 +9,7 @@ for overlap, checkpoint and resume.
 """
 
 import json
+import math
 import re
 
 import pytest
@@ -102,3 +103,30 @@ def test_param_gather_goes_through_the_recorded_collectives(cache_dir, tmp_path,
     buckets = len([n for _, op, n in logs[0] if op == "all_to_all"]) // 3  # LoCo: one per bucket and step
     # Steps 1 and 2's updates are gathered in the next forward; step 3's is never needed.
     assert buckets > 1 and len(gathers) == 2 * buckets, (buckets, gathers)
+
+
+def test_two_bit_fused_matches_torch_and_resumes_bit_exact(cache_dir, tmp_path):
+    """Guards against --param-gather-bits 2 (the gradients' 2-bit options, here with
+    stochastic rounding) differing between the fused C++ kernels and the torch reference
+    (ranks or a resume mixing them would break the agreed parameters), against the
+    stochastic-rounding key not being checkpointed (a resumed run rounds differently), and
+    against the start-up line not naming the parameter gather's kernels and options."""
+    args = TINY + ["--lr-decay-iters", "4", "--loco-bits", "2", "--param-gather-bits", "2",
+                   "--loco-rounding", "stochastic", "--ckpt-format", "torch"]
+    proc, whole = torchrun(2, args + ["--train-iters", "4", "--loco-kernels", "cpu"], cache_dir, tmp_path,
+                           name="whole")
+    assert "params cpu (2-bit uniform/mse/hadamard/stochastic)" in proc.stdout
+    ck = str(tmp_path / "ck")
+    _, first = torchrun(2, args + ["--train-iters", "2", "--loco-kernels", "torch", "--save", ck], cache_dir,
+                        tmp_path, name="first")
+    proc, resumed = torchrun(2, args + ["--train-iters", "4", "--loco-kernels", "cpu", "--load", ck], cache_dir,
+                             tmp_path, name="resumed")
+    assert "resuming from" in proc.stdout
+    a, b = train_losses(whole), {**train_losses(first), **train_losses(resumed)}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a == b, (a, b)
+    last = [m for m in whole if "comm/param_bytes_sent" in m][-1]
+    saved = torch.load(tmp_path / "ck" / "iter_0000002/rank_00000.pt", weights_only=False)
+    numel = sum(st["spare"].numel() for st in saved["param_gather"].values())  # rank 0's shards
+    blocks = sum(-(-st["spare"].numel() // 256) for st in saved["param_gather"].values())
+    # Each rank contributes one row per bucket: 2-bit codes of whole blocks + fp32 scales.
+    assert last["comm/param_bytes_sent"] == 2 * (blocks * 256 * 2 // 8 + 4 * blocks), (last, numel)

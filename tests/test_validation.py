@@ -34,7 +34,8 @@ def _assert_one_line_error(proc, out, needle):
 @pytest.mark.parametrize("args,needle", [
     (["--loco-bits", "3"], "--loco-bits"),
     (["--loco-beta", "1.0"], "--loco-beta"),
-    (["--param-gather-bits", "2"], "--param-gather-bits"),
+    (["--param-gather-bits", "3"], "--param-gather-bits"),
+    (["--param-gather-bits", "2", "--loco-block-size", "264"], "--param-gather-bits"),  # hadamard: power of two
     (["--param-gather-bits", "4", "--no-use-distributed-optimizer"], "--param-gather-bits"),
     (["--loco-block-size", "100"], "--loco-block-size"),
     (["--num-attention-heads", "3"], "--hidden-size"),

@@ -64,8 +64,9 @@ class LoCoConfig:
     """Seed of the Hadamard signs and of stochastic rounding (the same on every rank)."""
     param_gather_bits: int = 0
     """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
-    dtype), 8 or 4 = block-wise quantised differences against the parameters every rank
-    agrees on (--loco-block-size blocks); needs --use-distributed-optimizer."""
+    dtype), 8, 4 or 2 = block-wise quantised differences against the parameters every rank
+    agrees on (--loco-block-size blocks, quantiser options per :meth:`param_gather_options`);
+    needs --use-distributed-optimizer."""
 
     def __post_init__(self):
         for name, allowed in (("quantizer", ("symmetric", "uniform")), ("scale", ("absmax", "mse")),
@@ -93,8 +94,23 @@ class LoCoConfig:
                  f"{self.loco_error_bits} is not one of 8, 16, 32")
         require(self.loco_reset_interval >= 0, "loco_reset_interval", "must be >= 0")
         require(self.loco_warmup_iters >= 0, "loco_warmup_iters", "must be >= 0")
-        require(self.param_gather_bits in (0, 4, 8), "param_gather_bits",
-                 f"{self.param_gather_bits} is not one of 0, 8, 4")
+        require(self.param_gather_bits in (0, 2, 4, 8), "param_gather_bits",
+                 f"{self.param_gather_bits} is not one of 0, 8, 4, 2")
+        require(self.param_gather_options()["rotation"] == "none" or (bs > 0 and bs & (bs - 1) == 0),
+                "param_gather_bits", f"{self.param_gather_bits} quantises with the hadamard rotation, which needs "
+                f"a power-of-two --loco-block-size, got {bs} (or give --loco-bits {self.param_gather_bits} "
+                f"--loco-rotation none)")
+
+    def param_gather_options(self) -> dict[str, str]:
+        """Quantiser options of the compressed parameter gather (quantizer, scale, rotation,
+        rounding; seed --loco-quant-seed): the gradients' resolved --loco-quantizer/-scale/
+        -rotation/-rounding when --loco-bits equals --param-gather-bits, else the defaults of
+        that width (LOCO_DEFAULT_OPTIONS: 2 bits uniform/mse/hadamard/nearest; 8 and 4 bits the
+        original symmetric/absmax/none/nearest)."""
+        if self.loco_bits == self.param_gather_bits:
+            return {n: getattr(self, f"loco_{n}") for n in ("quantizer", "scale", "rotation", "rounding")}
+        base = {"quantizer": "symmetric", "scale": "absmax", "rotation": "none", "rounding": "nearest"}
+        return {**base, **LOCO_DEFAULT_OPTIONS.get(self.param_gather_bits, {})}
 
     @property
     def enabled(self) -> bool:

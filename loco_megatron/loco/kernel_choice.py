@@ -64,14 +64,18 @@ def resolve_kernels(*args, **kwargs) -> str:
     return choose_kernels(*args, **kwargs)[0]
 
 
-def kernels_line(kernels: str, grads_compressed: bool, param_gather_bits: int, why: Optional[str]) -> str:
+def kernels_line(kernels: str, grads_compressed: bool, param_gather_bits: int, why: Optional[str],
+                 param_options: str = "") -> str:
     """The start-up line naming the kernels in use, e.g. ``kernels: grads cpu, params cpu``
     (``kernels``: the resolved ``--loco-kernels``); ``why`` (from :func:`choose_kernels`)
-    adds why the gradients fell back to torch.
+    adds why the gradients fell back to torch; ``param_options`` (e.g. ``2-bit
+    uniform/mse/hadamard/nearest``) follows the parameter gather's kernels in parentheses.
 
     The parameter gather (``--param-gather-bits``) quantises on the C++ kernels where
     ``--loco-kernels`` resolved to cpu, else on torch (:class:`.hooks.ParamGatherHook`)."""
     grads = kernels if grads_compressed else "off (megatron's reduce-scatter)"
     params = ("cpu" if kernels == "cpu" else "torch") if param_gather_bits else "off (megatron's all-gather)"
+    if param_gather_bits and param_options:
+        params += f" ({param_options})"
     line = f"kernels: grads {grads}, params {params}"
     return line + (f"; torch because {why}" if why and grads_compressed else "")

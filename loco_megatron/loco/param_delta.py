@@ -8,8 +8,11 @@ parameters ``A`` (``[W, S]``, the parameter dtype), bit-identical on all ranks.
 One gather, for the owner of shard ``j`` with updated values ``P_j``:
 
 * ``d_j = P_j - A_j`` in fp32, zero-padded to whole blocks of ``B`` elements;
-* ``(codes_j, scales_j) = quantize_blockwise(d_j)`` (LoCo's quantiser: symmetric,
-  one fp32 scale per block, round half to even);
+* ``(codes_j, scales_j) = quantize_blockwise(d_j, options)`` (LoCo's quantiser, one
+  fp32 scale per block: at 8/4 bits the original symmetric absmax scheme, round half to
+  even; at 2 bits the quantiser options of :attr:`DeltaLayout.options`, e.g. uniform grid,
+  mse scale, Hadamard rotation; a rotated delta is unrotated by the decode, so ``D(Q(d))``
+  is always in the parameter domain);
 * every rank, the owner included, sets ``A_j <- cast(float(A_j) + D(Q(d_j)))``.
 
 Invariant: every input of that update (``A_j``, codes, scales) is bit-identical on
@@ -38,8 +41,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from loco_megatron.loco import quantize as qz
+from loco_megatron.loco import rotation as rot
 
-PARAM_GATHER_BITS = (4, 8)
+PARAM_GATHER_BITS = (2, 4, 8)
 
 
 DECODE_CHUNK = 1 << 16
@@ -52,17 +56,29 @@ CHUNK_TEMP_BYTES_PER_ELEMENT = 48
 delta (4), int8 codes and their unpack temporaries (<= 3), the fp32 agreed value and the
 fp32 sum (8), the cast result (<= 4), and the float64 error and norm terms (24)."""
 
+OPTIONS_CHUNK_TEMP_BYTES_PER_ELEMENT = 96
+"""The same bound with quantiser options (torch reference): the rotated blocks, the mse
+search's quotient and work buffers, the levels and the stochastic-rounding noise with its
+int64 hash temporaries add fp32 and int64 tensors of the chunk's size (at most 48 more)."""
+
 
 class DeltaLayout:
     """Sizes of one bucket's compressed parameter all-gather."""
 
     def __init__(self, numel: int, world: int, bits: int, block_size: int, kernels: str = "torch",
-                 chunk: int = DECODE_CHUNK):
+                 chunk: int = DECODE_CHUNK, options: qz.QuantOptions = qz.DEFAULT_OPTIONS, stream: int = 0):
         """``kernels``: ``"torch"`` (the reference) or ``"cpu"`` (the fused C++ quantise and
         dequantise of :mod:`.cpu_kernels`: the same codes, scales and deltas, bit for bit).
-        ``chunk``: elements per encode/decode slice (rounded down to whole blocks)."""
+        ``chunk``: elements per encode/decode slice (rounded down to whole blocks, so a
+        rotation block never straddles chunks). ``options``: the quantiser options (the
+        same on every rank); ``stream``: this bucket's part of the stochastic-rounding key
+        (:meth:`noise_key`)."""
         if bits not in PARAM_GATHER_BITS:
             raise ValueError(f"param-gather bits must be one of {PARAM_GATHER_BITS}, got {bits}")
+        if options.rotation == "hadamard":
+            rot.check_block_size(block_size)
+        self.options, self.stream = options, stream
+        self.plain = not options.non_default()
         if numel % world:
             raise ValueError(f"buffer of {numel} elements does not split over {world} ranks")
         self.numel, self.world, self.bits, self.block_size = numel, world, bits, block_size
@@ -91,9 +107,18 @@ class DeltaLayout:
         per_block = self.block_size * self.bits // 8
         return b0 * per_block, b1 * per_block
 
+    def noise_key(self, rank: int, gathers: int) -> int:
+        """Stochastic-rounding key of ``rank``'s row in its ``gathers``-th gather of this
+        bucket (0 when rounding is nearest): a hash of the seed, the bucket, the owner and
+        the checkpointed gather count, so a resumed run rounds exactly as an unbroken one."""
+        if self.options.rounding != "stochastic":
+            return 0
+        return qz.noise_key(self.options.seed ^ self.stream, rank, gathers)
+
     def chunk_temp_bytes(self) -> int:
         """Most bytes of temporaries one encode or decode chunk holds at once."""
-        return CHUNK_TEMP_BYTES_PER_ELEMENT * min(self.chunk_blocks, self.blocks) * self.block_size
+        per = CHUNK_TEMP_BYTES_PER_ELEMENT if self.plain else OPTIONS_CHUNK_TEMP_BYTES_PER_ELEMENT
+        return per * min(self.chunk_blocks, self.blocks) * self.block_size
 
     def transient_bytes(self) -> int:
         """Most bytes one gather of this bucket holds besides the model and the agreed copy:
@@ -109,26 +134,32 @@ class _ChunkLayout(NamedTuple):
     code_bytes: int
     bits: int
     block_size: int
+    options: qz.QuantOptions
 
 
 def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, key: int = 0) -> torch.Tensor:
     """One shard's wire row (uint8 ``[row_bytes]``, into ``out`` when given) for ``d = new
     - agreed``, quantised chunk by chunk (blocks never straddle chunks, so the row is the
     same as one pass's).
 
-    ``new``, ``agreed``: ``[S]`` of any float dtype (compared in fp32).
+    ``new``, ``agreed``: ``[S]`` of any float dtype (compared in fp32). ``key``
+    (:meth:`DeltaLayout.noise_key`): stochastic rounding; chunk ``b0``'s noise is keyed by
+    ``(key, b0)`` and indexed from the chunk's start on both paths, so torch and the C++
+    kernels round alike (the row then depends on the chunk size, fixed per run).
     """
     row = out if out is not None else torch.empty(layout.row_bytes, dtype=torch.uint8, device=new.device)
     scales = row[layout.code_bytes:].view(torch.float32)
     for b0, b1, lo, hi in layout.chunks():
         d = new[lo:hi].float() - agreed[lo:hi].float()
+        ck = qz.noise_key(key, b0, 0) if key else 0
         if layout.kernels == "cpu":  # the LoCo compress kernel without error feedback quantises d
             from loco_megatron.loco import cpu_kernels
 
-            codes, s, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel())
+            codes, s, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel(),
+                                               options=None if layout.plain else layout.options, key=ck)
         else:
-            codes, s = qz.quantize_blockwise(d, layout.bits, layout.block_size)
+            codes, s = qz.quantize_blockwise(d, layout.bits, layout.block_size, layout.options, ck)
         c0, c1 = layout.chunk_bytes(b0, b1)
         row[c0:c1].copy_(codes)
         scales[b0:b1].copy_(s)
@@ -147,15 +178,18 @@ def row_scales(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, t
 def decode_chunk(row: torch.Tensor, scales: torch.Tensor, layout: DeltaLayout, b0: int, b1: int,
                  numel: int) -> torch.Tensor:
     """fp32 deltas of blocks ``[b0, b1)`` of one gathered row (its first ``numel``
-    elements); ``scales``: that row's ``[blocks]`` from :func:`row_scales`."""
+    elements), unrotated (the parameter domain); ``scales``: that row's ``[blocks]`` from
+    :func:`row_scales`."""
     c0, c1 = layout.chunk_bytes(b0, b1)
     if layout.kernels == "cpu":  # the fused dequantise (zeroed scales: a zero delta)
         from loco_megatron.loco import cpu_kernels
 
         part = torch.cat([row[c0:c1], scales[b0:b1].contiguous().view(torch.uint8)]).unsqueeze(0)
         out = torch.empty(numel, dtype=torch.float32, device=row.device)
-        cpu_kernels.decompress_sum(part, _ChunkLayout(c1 - c0, layout.bits, layout.block_size), out)
+        cpu_kernels.decompress_sum(part, _ChunkLayout(c1 - c0, layout.bits, layout.block_size, layout.options), out)
         return out
+    if not layout.plain:
+        return qz.dequantize_with(row[c0:c1], scales[b0:b1], layout.bits, layout.block_size, numel, layout.options)
     q = qz.unpack_codes(row[c0:c1], layout.bits, layout.block_size).view(b1 - b0, layout.block_size)
     return torch.mul(q, scales[b0:b1].unsqueeze(1)).view(-1)[:numel]
 
@@ -200,6 +234,8 @@ class AgreedShard:
         self.spare = own.detach().clone()
         self.pending = False
         """True between :meth:`begin_step` and the gather (or :meth:`cancel_step`)."""
+        self.gathers = 0
+        """Gathers completed (checkpointed): the step of the stochastic-rounding key."""
 
     def _exchange(self) -> None:
         if self.main_aliased:
@@ -236,6 +272,7 @@ class AgreedShard:
 
     def finished(self) -> None:
         self.pending = False
+        self.gathers += 1
 
     def finish(self, new_agreed: torch.Tensor) -> None:
         """:meth:`finish_slice` of the whole shard, then :meth:`finished`."""
@@ -251,7 +288,7 @@ class AgreedShard:
     def state_dict(self) -> dict:
         """Aliased: the exact main shard; else the agreed own shard (clones)."""
         assert not self.pending, "checkpoint taken with a parameter update pending"
-        return {"spare": self.spare.clone(), "main_aliased": self.main_aliased}
+        return {"spare": self.spare.clone(), "main_aliased": self.main_aliased, "gathers": self.gathers}
 
     def fits(self, sd: dict) -> bool:
         """Whether ``sd`` (from :meth:`state_dict`) can be restored here: same shard size,
@@ -262,6 +299,7 @@ class AgreedShard:
         """Restore a state that :meth:`fits` (else :meth:`agree_on_model`)."""
         assert self.fits(sd)
         self.pending = False
+        self.gathers = sd.get("gathers", 0)  # absent: written before stochastic rounding existed here
         self.spare.copy_(sd["spare"])
         if not self.main_aliased:
             self.own.copy_(self.spare)  # the model shard is the agreed one

@@ -88,7 +88,8 @@ def compressed_param_all_gather(buffer: torch.Tensor, shard: AgreedShard, layout
     clock = clock or WallClock()
     rank = dist.get_rank(group)
     start = clock.mark()
-    send = encode_delta(buffer.view(layout.world, layout.shard)[rank], shard.agreed(), layout)
+    send = encode_delta(buffer.view(layout.world, layout.shard)[rank], shard.agreed(), layout,
+                        key=layout.noise_key(rank, shard.gathers))
     recv = torch.empty(layout.gathered_bytes, dtype=torch.uint8, device=buffer.device)
     launch = clock.mark()
     work = ops.all_gather_into_tensor(recv, send, group=group, async_op=async_op)

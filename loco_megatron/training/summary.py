@@ -79,5 +79,6 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
     else:
         lines.append(f"LoCo: off; rank 0 reduce-scatters {raw / 2**20:.2f} MiB of gradients per step")
     if lc.enabled or lc.param_gather_bits:
-        lines.append(kernels_line(lc.loco_kernels, lc.enabled, lc.param_gather_bits, kernels_why))
+        popts = f"{lc.param_gather_bits}-bit {'/'.join(lc.param_gather_options().values())}"
+        lines.append(kernels_line(lc.loco_kernels, lc.enabled, lc.param_gather_bits, kernels_why, popts))
     return "\n".join(lines)

@@ -9,7 +9,7 @@ pre-hooks via ``finish_param_sync``, which then waits on ``param_gather_handle``
 
 * ``--param-gather-bits 0``: megatron's own method runs unchanged (bit-identical) and
   its bytes are counted;
-* 4 or 8: one :func:`~loco_megatron.loco.param_gather.compressed_param_all_gather` per
+* 8, 4 or 2: one :func:`~loco_megatron.loco.param_gather.compressed_param_all_gather` per
   bucket of quantised differences against the agreed parameters; the handle megatron
   waits on applies them, so every rank of the group holds bit-identical parameters.
 
@@ -34,6 +34,7 @@ layout, other buckets, written without --param-gather-bits, another parameter dt
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional
 
 import torch
@@ -44,6 +45,7 @@ from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout
 from loco_megatron.loco.param_gather import compressed_param_all_gather
+from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.metrics.comm import CommStats
 
 
@@ -93,18 +95,21 @@ class ParamGatherHook:
                 if compressed:
                     # The C++ quantise/dequantise where the gradients use them (CPU); else torch.
                     self._kernels = "cpu" if loco.loco_kernels == "cpu" else "torch"
-                    self._make_shards(group, keys, loco.loco_block_size)
+                    self._make_shards(group, keys, loco.loco_block_size,
+                                      QuantOptions(**loco.param_gather_options(), seed=loco.loco_quant_seed))
                 group.start_param_sync = self._make_start_param_sync(group, keys, compressed)
         if self.shards:
             self._wrap_steps(optimizer)
 
-    def _make_shards(self, group, keys, block_size: int) -> None:
+    def _make_shards(self, group, keys, block_size: int, options: QuantOptions) -> None:
         world = group.intra_distributed_optimizer_instance_size
         rank = group.intra_distributed_optimizer_instance_rank
         for key, bucket in zip(keys, group.buckets):
             data = bucket.param_data
-            layout = DeltaLayout(data.numel(), world, self.bits, block_size,
-                                 kernels=self._kernels)
+            # stream: the bucket's share of the stochastic-rounding key (crc32: the same in
+            # every process, unlike hash()).
+            layout = DeltaLayout(data.numel(), world, self.bits, block_size, kernels=self._kernels,
+                                 options=options, stream=zlib.crc32(key.encode()))
             # fp32 params: megatron's distributed optimizer steps the model buffer itself
             # (its main params are views of it); other dtypes get separate fp32 mains.
             self.shards[key] = AgreedShard(data.view(world, layout.shard)[rank],
