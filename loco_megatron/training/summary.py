@@ -8,9 +8,14 @@ from loco_megatron.distributed import ParallelLayout
 from loco_megatron.training.flops import parameter_count, training_flops_per_token
 
 
-def _grad_buffer_bytes(chunks: list) -> tuple[int, int]:
-    """(elements, bytes) of this rank's gradient buffers, dense and expert, all chunks."""
+def _grad_buffer_bytes(chunks: list, config: Config) -> tuple[int, int]:
+    """(elements, bytes) of this rank's gradient buffers, dense and expert, all chunks
+    (Megatron-FSDP: of its parameter shards, what HSDP's cross-node reduction sends)."""
     numel = nbytes = 0
+    if config.parallel.use_megatron_fsdp:
+        numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                    for chunk in chunks for p in chunk.parameters())
+        return numel, numel * (2 if config.parallel.grad_reduce_in_bf16 else 4)
     for chunk in chunks:
         for buf in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
             numel += buf.grad_data.numel()
@@ -25,7 +30,7 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
     total = parameter_count(m, vocab_size)
     here = sum(param.numel() for chunk in chunks for param in chunk.parameters())
     tokens = d.global_batch_size * m.seq_length
-    numel, raw = _grad_buffer_bytes(chunks)
+    numel, raw = _grad_buffer_bytes(chunks, config)
     lines = [
         f"model: {total:,} parameters ({total / 1e9:.3f} B), {here:,} on rank 0; "
         f"{training_flops_per_token(m, vocab_size) / 1e9:.3f} GFLOP per training token",

@@ -19,7 +19,8 @@ from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown
 from loco_megatron.loco.collectives import TORCH_OPS
 from loco_megatron.loco.kernel_choice import resolve_kernels
 from loco_megatron.loco.quantize import QuantOptions
-from loco_megatron.loco.hooks import GradSyncHook
+from loco_megatron.loco.hooks import FsdpGradHook, GradSyncHook
+from loco_megatron.loco.hooks.fsdp import skip_empty_shard_grads
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.loco.tp_replicas import ReplicaGradAverage, needs_replica_average, tp_replicated_params
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
@@ -85,6 +86,13 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     per_node = lc.loco_ranks_per_node or env.local_world_size
     if env.world_size % per_node:
         raise ConfigError(f"--loco-ranks-per-node: {per_node} does not divide the world size {env.world_size}")
+    instances = config.parallel.num_distributed_optimizer_instances
+    if lc.enabled and instances > 1 and instances != env.world_size // per_node:
+        # Each instance (a model shard group) must be one node, so only the compressed
+        # replica reduction crosses nodes.
+        raise ConfigError(f"--num-distributed-optimizer-instances: {instances} is not the number of nodes "
+                          f"({env.world_size} ranks / --loco-ranks-per-node {per_node}); LoCo compresses the "
+                          f"cross-node reduction of HSDP")
     return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels,
                                                                   loco_ranks_per_node=per_node))
 
@@ -194,6 +202,12 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats(clock_for(device))
     # Before the grad hook, which then times the (compressed) parameter gather.
+    if config.parallel.use_megatron_fsdp:
+        # Megatron-FSDP gathers parameters layer by layer itself; its gradient reduction is
+        # the FSDP hook's (LoCo on the cross-node HSDP hop).
+        param_sync_factory = _NoParamSync if param_sync_factory is ParamGatherHook else param_sync_factory
+        grad_sync_factory = FsdpGradHook if grad_sync_factory is GradSyncHook else grad_sync_factory
+        skip_empty_shard_grads(optimizer)
     param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     replicas = None
@@ -302,6 +316,19 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
         profiler.close()
         logger.close()
     return last
+
+
+class _NoParamSync:
+    """Megatron-FSDP's parameter gather: nothing to install, nothing to checkpoint."""
+
+    def __init__(self, *unused):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd) -> None:
+        pass
 
 
 def _print_rank0(layout: ParallelLayout, line: str) -> None:
