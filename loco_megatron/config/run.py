@@ -87,6 +87,10 @@ class Config:
         require(not lc.loco_hierarchical, "loco_hierarchical",
                  "two-hop LoCo is the DDP path's; with --use-megatron-fsdp the two hops are HSDP's "
                  "(--num-distributed-optimizer-instances = nodes)")
+        c = self.checkpoint
+        require(c.ckpt_format == "torch" or not (c.save or c.load), "ckpt_format",
+                 "torch_dist is not supported with --use-megatron-fsdp (megatron-core 0.16.1's Megatron-FSDP model "
+                 "has no sharded_state_dict for dist_checkpointing): use --ckpt-format torch")
         require("loco_intra_node_bits" not in self.command_line, "loco_intra_node_bits",
                  "with --use-megatron-fsdp the intra-node reduce-scatter is Megatron-FSDP's own, at full precision")
         if lc.enabled:

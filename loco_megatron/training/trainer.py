@@ -35,7 +35,8 @@ from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import startup_summary
-from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
+from loco_megatron.training.state import (FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState,
+                                          TrainerState, peak_memory_bytes)
 from loco_megatron.training.step import evaluate, train_step
 
 
@@ -191,7 +192,11 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                             config.model.num_experts],
                   # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
                   # same buckets: with this in the layout a bucket change is refused in one line.
-                  "bucket": config.parallel.ddp_bucket_size or 0}
+                  "bucket": config.parallel.ddp_bucket_size or 0,
+                  # Megatron-FSDP's shards: its checkpoint (per rank) loads into the same sharding only.
+                  **({"fsdp": [config.parallel.data_parallel_sharding_strategy,
+                               config.parallel.num_distributed_optimizer_instances]}
+                     if config.parallel.use_megatron_fsdp else {})}
     cc = config.checkpoint
     ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
                         dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
@@ -233,7 +238,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     state = TrainerState()
     guard = SkipGuard(t.max_skipped_consecutive)
     schedule = ResumedSchedule(scheduler, config)  # after "optimizer": see its docstring
-    stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
+    fsdp = config.parallel.use_megatron_fsdp
+    stateful = {"model": (FsdpModelState if fsdp else ModelState)(chunks),
+                "optimizer": (FsdpOptimizerState if fsdp else OptimizerState)(optimizer),
                 "scheduler": schedule, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
                 "param_gather": param_sync}
     if resume is not None:

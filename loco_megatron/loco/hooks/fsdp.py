@@ -87,12 +87,17 @@ class FsdpGradHook:
         self._workspace = Workspace()
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}
+        self._padding: dict[int, list[tuple[int, int]]] = {}  # bucket -> shard ranges holding no parameter
         if loco.enabled and self._outer is not None and self._outer.size() > 1:
             for i, group in enumerate(self._buffer.parameter_groups):
                 if group.main_grad_buffer is not None:
                     self._make_compressor(f"fsdp.bucket{i}", group.main_grad_buffer.data)
+                    self._padding[i] = _padding_ranges(group.main_grad_buffer)
         self._original = self._pipeline._bucket_group_gradient_reduce  # the bound megatron method
         self._pipeline._bucket_group_gradient_reduce = self._reduce
+        self._pending: list[int] = []  # buckets whose cross-node reduction LoCo owes this step
+        self._original_sync = fsdp.synchronize_gradient_reduce
+        fsdp.synchronize_gradient_reduce = self._synchronize_gradient_reduce
 
     def _make_compressor(self, key: str, shard: torch.Tensor) -> None:
         lc = self.loco
@@ -120,17 +125,30 @@ class FsdpGradHook:
         self._count_inner(bucket_group)
         if outer_fsdp_group_grad_reduce and not compress:
             self._count_outer_uncompressed(bucket_group)
-        if compress:
-            rs_stream = self._pipeline.rs_stream
-            if rs_stream is not None and torch.cuda.is_available():
-                # the shards are accumulated on megatron's reduce-scatter stream
-                torch.cuda.current_stream().wait_stream(rs_stream)
-            for bucket_id in bucket_group:
-                self._loco_outer(bucket_id)
+        if compress:  # the compressed replica reduction runs once backward is over
+            self._pending.extend(bucket_group)
         end = self.clock.mark()
         self.stats.add_interval("grad_sync_total", start, end)
         self.stats.add_interval("grad_sync_exposed", start, end)
         return out
+
+    def _synchronize_gradient_reduce(self) -> None:
+        """megatron's wait for every bucket's (intra-node) reduction, then LoCo's cross-node
+        reduction of every bucket the step marked, in marking order (the same on every rank:
+        megatron's backward hooks issue buckets in program order)."""
+        self._original_sync()
+        if not self._pending:
+            return
+        start = self.clock.mark()
+        rs_stream = self._pipeline.rs_stream
+        if rs_stream is not None and torch.cuda.is_available():
+            torch.cuda.current_stream().wait_stream(rs_stream)  # the shards are accumulated there
+        pending, self._pending = self._pending, []
+        for bucket_id in pending:
+            self._loco_outer(bucket_id)
+        end = self.clock.mark()
+        self.stats.add_interval("grad_sync_total", start, end)
+        self.stats.add_interval("grad_sync_exposed", start, end)
 
     def _count_inner(self, bucket_group: list) -> None:
         """Megatron's reduce-scatter (all-reduce with no_shard) over the sharding group:
@@ -157,6 +175,10 @@ class FsdpGradHook:
     def _loco_outer(self, bucket_id: int) -> None:
         key = f"fsdp.bucket{bucket_id}"
         shard = self._gbuf(bucket_id).data
+        # megatron's padding holds whatever its reduce-scatter left there (uninitialised
+        # memory): zeroed, so it cannot enter a block's scale or the error buffer.
+        for a, b in self._padding[bucket_id]:
+            shard[a:b].zero_()
         compressor = self.compressors[key]
         start = self.clock.mark()
         work, sent = compressed_reduce_scatter(
@@ -213,6 +235,21 @@ class FsdpGradHook:
                 c.reset()
             self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
                       f"starting the error buffers at zero")
+
+
+def _padding_ranges(gbuf) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of ``gbuf.data`` (this rank's shard) that belong to no parameter."""
+    used = sorted(gbuf._get_item_local_shard_index(i) for i in gbuf.item_index_map)
+    ranges, pos = [], 0
+    for a, b in used:
+        if a == b:
+            continue
+        if a > pos:
+            ranges.append((pos, a))
+        pos = max(pos, b)
+    if pos < gbuf.data.numel():
+        ranges.append((pos, gbuf.data.numel()))
+    return ranges
 
 
 def skip_empty_shard_grads(optimizer) -> None:
