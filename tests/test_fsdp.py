@@ -4,6 +4,7 @@ reduction compressed."""
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -37,15 +38,29 @@ def test_loco_off_is_plain_megatron_fsdp(cache_dir, tmp_path, uncompressed):
     assert last["comm/compression_ratio"] == 1.0 and last["comm/grad_bytes_sent_inter"] > 0
 
 
-def test_hsdp_loco_trains_keeps_replicas_identical_in_order(cache_dir, tmp_path, monkeypatch, uncompressed):
+@pytest.fixture(scope="module")
+def compressed(cache_dir, tmp_path_factory):
+    """The HSDP run with --loco-bits 4, its collectives recorded under random delays, the
+    replicas compared before every step, a checkpoint every 2 steps: (process, metrics, dir)."""
+    out = tmp_path_factory.mktemp("loco")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCO_TEST_RECORD_DIR", str(out))
+    try:
+        proc, metrics = torchrun(4, HSDP + ["--loco-bits", "4", "--save", str(out / "ck"), "--save-interval", "2",
+                                            "--ckpt-format", "torch"], cache_dir, out, script="tests/fsdp_check.py")
+    finally:
+        mp.undo()
+    return proc, metrics, out
+
+
+def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompressed):
     """Guards against a LoCo replica reduction that leaves the HSDP replicas apart (each
     must end the step with the same shard: the reduced rows are all-gathered), loses
     error feedback (loss drifts from the uncompressed run), issues its collectives in a
     timing-dependent order (random delays and is_completed() answers here), or counts bytes
     that are not what it sent: 4-bit codes + one fp32 scale per 256-block row across nodes
     (all-to-all) plus the reduced rows at fp32 (all-gather), once per step."""
-    monkeypatch.setenv("LOCO_TEST_RECORD_DIR", str(tmp_path))
-    proc, metrics = torchrun(4, HSDP + ["--loco-bits", "4"], cache_dir, tmp_path, script="tests/fsdp_check.py")
+    proc, metrics, tmp_path = compressed
     checks = re.findall(r"REPLICAS rank=(\d) iter=(\d+) identical=(\w+)", proc.stdout)
     assert len(checks) == 4 * 3 and all(same == "True" for _, _, same in checks), checks
     on, off = train_losses(metrics), train_losses(uncompressed)
@@ -74,6 +89,22 @@ def test_hsdp_loco_trains_keeps_replicas_identical_in_order(cache_dir, tmp_path,
     assert "LoCo memory on rank 0: error buffers" in proc.stdout
 
 
+def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
+    """Guards against a Megatron-FSDP checkpoint that loses the error buffers, the Adam
+    state or the main weights (or leaves the model's gathered weights stale): resumed from
+    step 2, steps 3-4 repeat the uninterrupted run's losses and gradient norms bit for bit."""
+    _, full, out = compressed
+    ck = tmp_path / "ck"
+    shutil.copytree(out / "ck", ck)
+    shutil.rmtree(ck / "iter_0000004")
+    (ck / "latest_checkpointed_iteration.txt").write_text("2")
+    args = HSDP + ["--loco-bits", "4", "--load", str(ck), "--ckpt-format", "torch"]
+    _, resumed = torchrun(4, args, cache_dir, tmp_path, name="resumed")
+    want = {i: v for i, v in train_losses(full).items() if i > 2}
+    assert train_losses(resumed) == want and len(want) == 2
+    assert _grad_norms(resumed) == {i: v for i, v in _grad_norms(full).items() if i > 2}
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--loco-bits", "4"], "--num-distributed-optimizer-instances = number of nodes"),
     (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
@@ -82,6 +113,7 @@ def test_hsdp_loco_trains_keeps_replicas_identical_in_order(cache_dir, tmp_path,
     (["--loco-intra-node-bits", "16"], "--loco-intra-node-bits"),
     (["--num-experts", "4"], "MoE"),
     (["--no-use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--save", "/nonexistent/ck"], "--ckpt-format torch"),
 ])
 def test_unsupported_fsdp_combinations_are_one_line(args, needle):
     """Guards against silently running a combination the FSDP path does not implement
