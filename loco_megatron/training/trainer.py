@@ -19,8 +19,8 @@ from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown
 from loco_megatron.loco.collectives import TORCH_OPS
 from loco_megatron.loco.kernel_choice import resolve_kernels
 from loco_megatron.loco.quantize import QuantOptions
-from loco_megatron.loco.hooks import FsdpGradHook, GradSyncHook
-from loco_megatron.loco.hooks.fsdp import skip_empty_shard_grads
+from loco_megatron.loco.hooks import GradSyncHook
+from loco_megatron.loco.hooks.fsdp import fsdp_factories
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.loco.tp_replicas import ReplicaGradAverage, needs_replica_average, tp_replicated_params
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
@@ -208,11 +208,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     comm_stats = CommStats(clock_for(device))
     # Before the grad hook, which then times the (compressed) parameter gather.
     if config.parallel.use_megatron_fsdp:
-        # Megatron-FSDP gathers parameters layer by layer itself; its gradient reduction is
-        # the FSDP hook's (LoCo on the cross-node HSDP hop).
-        param_sync_factory = _NoParamSync if param_sync_factory is ParamGatherHook else param_sync_factory
-        grad_sync_factory = FsdpGradHook if grad_sync_factory is GradSyncHook else grad_sync_factory
-        skip_empty_shard_grads(optimizer)
+        grad_sync_factory, param_sync_factory = fsdp_factories(grad_sync_factory is GradSyncHook, grad_sync_factory,
+                                                               param_sync_factory is ParamGatherHook,
+                                                               param_sync_factory, optimizer)
     param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     replicas = None
@@ -323,19 +321,6 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
         profiler.close()
         logger.close()
     return last
-
-
-class _NoParamSync:
-    """Megatron-FSDP's parameter gather: nothing to install, nothing to checkpoint."""
-
-    def __init__(self, *unused):
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, sd) -> None:
-        pass
 
 
 def _print_rank0(layout: ParallelLayout, line: str) -> None:

@@ -266,3 +266,25 @@ def skip_empty_shard_grads(optimizer) -> None:
             return [p.grad.data for group in inner.param_groups for p in group["params"] if p.grad is not None]
 
         opt._collect_main_grad_data_for_unscaling = collect
+
+
+class NoParamSync:
+    """Megatron-FSDP's parameter gather: its own, layer by layer; nothing to install or
+    checkpoint (the parameter-sync slot of the trainer)."""
+
+    def __init__(self, *unused):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+
+def fsdp_factories(default_grad: bool, grad_factory, default_param: bool, param_factory, optimizer):
+    """The trainer's (gradient, parameter) sync factories under Megatron-FSDP: the defaults
+    become :class:`FsdpGradHook` and :class:`NoParamSync` (a test's own factories are kept);
+    applies :func:`skip_empty_shard_grads` to ``optimizer``."""
+    skip_empty_shard_grads(optimizer)
+    return (FsdpGradHook if default_grad else grad_factory), (NoParamSync if default_param else param_factory)
