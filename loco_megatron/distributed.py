@@ -64,6 +64,7 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tp,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
     )
     # Same seed on every DP replica (identical init), per-TP-rank streams for TP regions.
     torch.manual_seed(config.train.seed)

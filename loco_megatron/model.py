@@ -189,10 +189,36 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
         if not wrap:
             chunks.append(model)
             continue
+        if p.use_megatron_fsdp:
+            chunks.append(_megatron_fsdp(config, tconf, model, device))
+            continue
         # Every chunk keeps its own buckets (megatron-LM merges chunks > 0 into one bucket;
         # here each chunk's buckets overlap its backward and each gets LoCo compressors).
         chunks.append(DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model))
     return chunks
+
+
+def _megatron_fsdp(config: Config, tconf, model, device: torch.device):
+    """``model`` inside megatron-core's Megatron-FSDP (``FullyShardedDataParallel``):
+    parameters, gradients and optimizer state sharded per --data-parallel-sharding-strategy
+    over the data-parallel ranks (with --num-distributed-optimizer-instances > 1, over
+    each instance, replicated across instances: HSDP)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from loco_megatron.platform import megatron_fsdp_compat
+
+    p = config.parallel
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not p.grad_reduce_in_bf16, overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=True, bucket_size=p.ddp_bucket_size, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=p.data_parallel_sharding_strategy,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        # gloo has no premultiplied sum: scale, then sum (the same numbers NCCL's fused op gives).
+        gradient_reduce_div_fusion=device.type == "cuda",
+    )
+    with megatron_fsdp_compat(device):
+        return FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model, device=device)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "platform_context"]
+__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "megatron_fsdp_compat", "platform_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +232,17 @@ def megatron_fixes() -> Iterator[None]:
         if not hasattr(moe_utils, "te_general_gemm"):
             _patch(stack, moe_utils, "te_general_gemm", None)
         _patch(stack, token_dispatcher, "all_to_all", _splits_as_lists(token_dispatcher.all_to_all))
+        yield
+
+
+@contextlib.contextmanager
+def megatron_fsdp_compat(device: torch.device) -> Iterator[None]:
+    """While Megatron-FSDP is built on CPU: ``torch.cuda.current_device()`` answers 0, as on
+    a GPU host, because its constructor formats ``f"cuda:{torch.cuda.current_device()}"``
+    (the CPU device there is no valid device string). Nothing else changes; on CUDA a no-op."""
+    with contextlib.ExitStack() as stack:
+        if device.type != "cuda":
+            _patch(stack, torch.cuda, "current_device", lambda: 0)
         yield
 
 

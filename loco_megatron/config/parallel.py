@@ -7,6 +7,9 @@ from typing import Optional
 
 from loco_megatron.config.base import require
 
+FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's --data-parallel-sharding-strategy values."""
+
 
 @dataclasses.dataclass
 class ParallelConfig:
@@ -39,6 +42,17 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per model chunk; sets --virtual-pipeline-model-parallel-size to
     num_layers / PP / this."""
+    use_megatron_fsdp: bool = False
+    """Fully sharded data parallelism with megatron-core's Megatron-FSDP
+    (``FullyShardedDataParallel``) instead of its DDP; needs the distributed optimizer."""
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    """With --use-megatron-fsdp, what is sharded over the data-parallel (within a node, under
+    HSDP) ranks: optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3; the default
+    here, Megatron-LM's is no_shard) or no_shard."""
+    num_distributed_optimizer_instances: int = 1
+    """With --use-megatron-fsdp: > 1 is HSDP, the model sharded inside each of this many
+    groups of data-parallel ranks and replicated across them; it must be the number of nodes
+    (--loco-ranks-per-node ranks each), so only the replica reduction crosses nodes."""
     context_parallel_size: int = 1
     """Context-parallel ranks (split each sequence across ranks). Only 1: megatron-core 0.16
     implements it in TransformerEngine's attention only."""
@@ -60,6 +74,20 @@ class ParallelConfig:
             require(self.use_distributed_optimizer, "overlap_param_gather", "needs the distributed optimizer")
         require(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
                  "needs --tensor-model-parallel-size > 1")
+        require(self.data_parallel_sharding_strategy in FSDP_SHARDING, "data_parallel_sharding_strategy",
+                 f"{self.data_parallel_sharding_strategy!r} is not one of {', '.join(FSDP_SHARDING)}")
+        require(self.num_distributed_optimizer_instances >= 1, "num_distributed_optimizer_instances", "must be >= 1")
+        if self.num_distributed_optimizer_instances > 1:
+            require(self.use_megatron_fsdp, "num_distributed_optimizer_instances", "needs --use-megatron-fsdp")
+        if self.use_megatron_fsdp:
+            require(self.use_distributed_optimizer, "use_megatron_fsdp", "needs --use-distributed-optimizer")
+            for name, why in (("pipeline_model_parallel_size", "pipeline parallelism"),
+                              ("tensor_model_parallel_size", "tensor parallelism"),
+                              ("expert_model_parallel_size", "expert parallelism")):
+                require(getattr(self, name) == 1, "use_megatron_fsdp",
+                         f"{why} (--{name.replace('_', '-')} > 1) is not supported with it in loco-megatron")
+            require(not self.overlap_param_gather, "use_megatron_fsdp",
+                     "--overlap-param-gather is the DDP path's; Megatron-FSDP gathers layer by layer itself")
         require(self.context_parallel_size == 1, "context_parallel_size",
                  "is not supported: megatron-core 0.16 implements context parallelism only in TransformerEngine's "
                  "attention, and loco-megatron does not split the batches' sequences across CP ranks")

@@ -75,6 +75,8 @@ class Config:
             require(m.bf16, "grad_reduce_in_bf16", "needs --bf16")
         if self.loco.param_gather_bits:
             require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
+        if p.use_megatron_fsdp:
+            self._check_fsdp()
         decay = self.optimizer.lr_decay_iters or self.train.train_iters
         require(self.optimizer.warmup_iters(decay) < decay, "lr_warmup_iters",
                  f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay}); "
@@ -96,6 +98,27 @@ class Config:
             per_chunk = m.num_layers // p.pipeline_model_parallel_size // (p.virtual_pipeline_model_parallel_size or 1)
             require(m.recompute_num_layers <= per_chunk, "recompute_num_layers",
                      f"{m.recompute_num_layers} exceeds the {per_chunk} layers per model chunk")
+
+    def _check_fsdp(self) -> None:
+        """What --use-megatron-fsdp does not combine with (see docs/fsdp.md)."""
+        lc = self.loco
+        require(self.model.num_experts is None, "use_megatron_fsdp", "MoE (--num-experts) is not supported with it")
+        require(not lc.param_gather_bits, "param_gather_bits",
+                 "is the distributed optimizer's all-gather; with --use-megatron-fsdp parameters are "
+                 "gathered layer by layer at their dtype")
+        require(not lc.loco_hierarchical, "loco_hierarchical",
+                 "two-hop LoCo is the DDP path's; with --use-megatron-fsdp the two hops are HSDP's "
+                 "(--num-distributed-optimizer-instances = nodes)")
+        c = self.checkpoint
+        require(c.ckpt_format == "torch" or not (c.save or c.load), "ckpt_format",
+                 "torch_dist is not supported with --use-megatron-fsdp (megatron-core 0.16.1's Megatron-FSDP model "
+                 "has no sharded_state_dict for dist_checkpointing): use --ckpt-format torch")
+        require("loco_intra_node_bits" not in self.command_line, "loco_intra_node_bits",
+                 "with --use-megatron-fsdp the intra-node reduce-scatter is Megatron-FSDP's own, at full precision")
+        if lc.enabled:
+            require(self.parallel.num_distributed_optimizer_instances > 1, "loco_bits",
+                     "with --use-megatron-fsdp LoCo compresses HSDP's cross-node replica reduction: give "
+                     "--num-distributed-optimizer-instances = number of nodes")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size of the dense layers for ``world_size`` ranks; raises ConfigError when the

@@ -123,3 +123,65 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (Megatron-FSDP) DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FsdpModelState:
+    """Megatron-FSDP's model for --ckpt-format torch: nothing of its own. Its weights are
+    the distributed optimizer's main parameters (saved by :class:`FsdpOptimizerState`,
+    which copies them into the model's weight buffer on load)."""
+
+    def __init__(self, chunks: list):
+        self.chunks = chunks
+
+    def state_dict(self) -> list:
+        return []
+
+    def load_state_dict(self, sd: list) -> None:
+        pass
+
+
+class FsdpOptimizerState:
+    """Megatron-FSDP's distributed optimizer for --ckpt-format torch: per sub-optimizer, the
+    param groups' hyper-parameters and, per parameter (in param-group order), the local
+    parts of its fp32 main weight and Adam state."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> list:
+        out = []
+        for opt in sub_optimizers(self.optimizer):
+            inner = opt.optimizer
+            params = [p for g in inner.param_groups for p in g["params"]]
+            state = [{k: _local(v).detach().clone() if torch.is_tensor(v) else v
+                      for k, v in inner.state.get(p, {}).items()} for p in params]
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+            out.append({"groups": groups, "params": [_local(p).detach().clone() for p in params], "state": state})
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: list) -> None:
+        for opt, saved in zip(sub_optimizers(self.optimizer), sd):
+            inner = opt.optimizer
+            for group, hyper in zip(inner.param_groups, saved["groups"]):
+                group.update(hyper)
+            params = [p for g in inner.param_groups for p in g["params"]]
+            assert len(params) == len(saved["params"]), "Megatron-FSDP checkpoint of another optimizer"
+            for p, value, state in zip(params, saved["params"], saved["state"]):
+                _local(p).copy_(value)
+                restored = {}
+                for k, v in state.items():
+                    if torch.is_tensor(v) and k != "step":
+                        restored[k] = torch.zeros_like(p)  # a DTensor laid out as the param
+                        _local(restored[k]).copy_(v)
+                    else:
+                        restored[k] = v.clone() if torch.is_tensor(v) else v
+                if restored:
+                    inner.state[p] = restored
+            for chunk in opt.model_chunks:  # main weights -> the weights the forward gathers
+                chunk.module.install_optimized_model_weights()

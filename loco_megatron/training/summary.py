@@ -11,9 +11,14 @@ from loco_megatron.loco.kernel_choice import kernels_line
 from loco_megatron.training.flops import parameter_count, training_flops_per_token
 
 
-def _grad_buffer_bytes(chunks: list) -> tuple[int, int]:
-    """(elements, bytes) of this rank's gradient buffers, dense and expert, all chunks."""
+def _grad_buffer_bytes(chunks: list, config: Config) -> tuple[int, int]:
+    """(elements, bytes) of this rank's gradient buffers, dense and expert, all chunks
+    (Megatron-FSDP: of its parameter shards, what HSDP's cross-node reduction sends)."""
     numel = nbytes = 0
+    if config.parallel.use_megatron_fsdp:
+        numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                    for chunk in chunks for p in chunk.parameters())
+        return numel, numel * (2 if config.parallel.grad_reduce_in_bf16 else 4)
     for chunk in chunks:
         for buf in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
             numel += buf.grad_data.numel()
@@ -65,7 +70,7 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
     :func:`~loco_megatron.loco.kernel_choice.choose_kernels`)."""
     lc = config.loco
     here = sum(param.numel() for chunk in chunks for param in chunk.parameters())
-    numel, raw = _grad_buffer_bytes(chunks)
+    numel, raw = _grad_buffer_bytes(chunks, config)
     lines = [
         model_line(config, vocab_size, f", {here:,} on rank 0"),
         layout_line(config, layout.world_size, layout.dp_size, config.expert_data_parallel_size(layout.world_size)),

@@ -20,6 +20,7 @@ from loco_megatron.loco.collectives import TORCH_OPS
 from loco_megatron.loco.kernel_choice import choose_kernels
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.hooks import GradSyncHook
+from loco_megatron.loco.hooks.fsdp import fsdp_factories
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.loco.tp_replicas import ReplicaGradAverage, needs_replica_average, tp_replicated_params
 from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
@@ -35,7 +36,8 @@ from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import startup_summary
-from loco_megatron.training.state import ModelState, OptimizerState, TrainerState, peak_memory_bytes
+from loco_megatron.training.state import (FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState,
+                                          TrainerState, peak_memory_bytes)
 from loco_megatron.training.step import evaluate, train_step
 
 
@@ -89,6 +91,13 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     per_node = lc.loco_ranks_per_node or env.local_world_size
     if env.world_size % per_node:
         raise ConfigError(f"--loco-ranks-per-node: {per_node} does not divide the world size {env.world_size}")
+    instances = config.parallel.num_distributed_optimizer_instances
+    if lc.enabled and instances > 1 and instances != env.world_size // per_node:
+        # Each instance (a model shard group) must be one node, so only the compressed
+        # replica reduction crosses nodes.
+        raise ConfigError(f"--num-distributed-optimizer-instances: {instances} is not the number of nodes "
+                          f"({env.world_size} ranks / --loco-ranks-per-node {per_node}); LoCo compresses the "
+                          f"cross-node reduction of HSDP")
     return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels,
                                                                   loco_ranks_per_node=per_node)), why
 
@@ -191,7 +200,11 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                             config.model.num_experts],
                   # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
                   # same buckets: with this in the layout a bucket change is refused in one line.
-                  "bucket": config.parallel.ddp_bucket_size or 0}
+                  "bucket": config.parallel.ddp_bucket_size or 0,
+                  # Megatron-FSDP's shards: its checkpoint (per rank) loads into the same sharding only.
+                  **({"fsdp": [config.parallel.data_parallel_sharding_strategy,
+                               config.parallel.num_distributed_optimizer_instances]}
+                     if config.parallel.use_megatron_fsdp else {})}
     cc = config.checkpoint
     ckpt = Checkpointer(cc.save, cc.load, layout.rank, layout_key, device, cc.ckpt_format, cc.async_save,
                         dataclasses.asdict(config), _rank0_print(layout.is_logging_rank))
@@ -202,6 +215,10 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats(clock_for(device))
     # Before the grad hook, which then times the (compressed) parameter gather.
+    if config.parallel.use_megatron_fsdp:
+        grad_sync_factory, param_sync_factory = fsdp_factories(grad_sync_factory is GradSyncHook, grad_sync_factory,
+                                                               param_sync_factory is ParamGatherHook,
+                                                               param_sync_factory, optimizer)
     param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
     replicas = None
@@ -227,7 +244,9 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     state = TrainerState()
     guard = SkipGuard(t.max_skipped_consecutive)
     schedule = ResumedSchedule(scheduler, config)  # after "optimizer": see its docstring
-    stateful = {"model": ModelState(chunks), "optimizer": OptimizerState(optimizer),
+    fsdp = config.parallel.use_megatron_fsdp
+    stateful = {"model": (FsdpModelState if fsdp else ModelState)(chunks),
+                "optimizer": (FsdpOptimizerState if fsdp else OptimizerState)(optimizer),
                 "scheduler": schedule, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
                 "param_gather": param_sync}
     if resume is not None:

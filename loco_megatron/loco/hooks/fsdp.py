@@ -1,0 +1,290 @@
+"""The gradient hook under Megatron-FSDP: LoCo on HSDP's cross-node replica reduction.
+
+Megatron-FSDP (``FullyShardedDataParallel`` over ``MegatronFSDP``) reduces gradients per
+bucket group in ``GradReducePipeline._bucket_group_gradient_reduce``: a reduce-scatter
+over the sharding group (every micro-batch, with gradient sharding) and, with HSDP
+(``--num-distributed-optimizer-instances`` > 1) on the last micro-batch of a step, an
+all-reduce of each bucket's reduced shard (``main_grad_buffer.data``, this rank's ``N/R``
+elements) over the outer group - the ranks holding the same shard on the other nodes.
+
+:class:`FsdpGradHook` replaces that method *on the pipeline instance* (never on the class):
+
+* LoCo off (or warm-up): megatron's own method runs unchanged (bit-identical) and is
+  timed and counted;
+* LoCo on, on the step's outer reduction: megatron's method runs with the outer reduction
+  turned off (the intra-node reduce-scatter at full precision, megatron's own), then
+  each bucket's shard is compensated with its own error buffer (the shard's size:
+  ``N/R`` elements, never the whole model), quantised, sent with one all-to-all over the
+  outer group and summed in fp32; the reduced rows are all-gathered at the shard's
+  dtype (:func:`~..collectives.compressed_reduce_scatter` with ``all_gather``), so every
+  replica ends with the same shard. Once per optimizer step, synchronously, in the
+  program order of megatron's backward hooks (the same on every rank), through an
+  injectable :class:`~..collectives.CollectiveOps`.
+
+An outer group of one rank (a single node) sends nothing: megatron's path, 0 bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.config import LoCoConfig
+from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter,
+                                            decompress_into)
+from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
+from loco_megatron.loco.hooks.version import check_megatron_core_version
+from loco_megatron.loco.quantize import QuantOptions
+from loco_megatron.loco.workspace import Workspace
+from loco_megatron.metrics.comm import CommStats
+
+
+def node_split(ranks: list, ranks_per_node: int, nbytes: int) -> tuple[int, int]:
+    """Of ``nbytes`` handed to a collective over ``ranks`` (an equal part per rank, as in
+    a reduce-scatter or all-to-all), the bytes addressed to other ranks of this node and
+    to ranks on other nodes."""
+    me, world = dist.get_rank(), len(ranks)
+    local = sum(1 for r in ranks if r // ranks_per_node == me // ranks_per_node)
+    return nbytes * (local - 1) // world, nbytes * (world - local) // world
+
+
+class FsdpGradHook:
+    """LoCo (or timing only) in place of Megatron-FSDP's bucket-group gradient reduction.
+    ``chunks``: the one ``FullyShardedDataParallel`` model; checkpointable (the error
+    buffers and step counters)."""
+
+    def __init__(self, chunks: list, loco: LoCoConfig, stats: CommStats, ops: CollectiveOps = TORCH_OPS,
+                 log: Optional[Callable[[str], None]] = None):
+        check_megatron_core_version()
+        assert len(chunks) == 1, "Megatron-FSDP runs one model chunk (no virtual pipeline stages)"
+        self.loco, self.stats, self.clock, self.ops = loco, stats, stats.clock, ops
+        self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
+        self.iteration = 0
+        """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
+        fsdp = chunks[0].module  # MegatronFSDP
+        self._pipeline = fsdp.grad_reduce_pipeline
+        self._buffer = self._pipeline.buffer
+        self._ddp_config = fsdp.ddp_config
+        index = self._buffer.dist_index
+        self._outer = index.get_outer_fsdp_group() if index.use_hybrid_fsdp else None
+        self._rpn = loco.loco_ranks_per_node or dist.get_world_size()
+        # "auto" is resolved by the trainer (it knows the device); torch when used directly.
+        self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
+        self._decompress = decompress_into
+        if self._kernels == "triton":
+            from loco_megatron.loco import triton_kernels
+
+            self._decompress = triton_kernels.decompress_sum
+        elif self._kernels == "cpu":
+            from loco_megatron.loco import cpu_kernels
+
+            self._decompress = cpu_kernels.decompress_sum
+        self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
+                                     loco.loco_quant_seed)
+        self._workspace = Workspace()
+        self.compressors: dict[str, LoCoCompressor] = {}
+        self._layouts: dict[str, ShardLayout] = {}
+        self._padding: dict[int, list[tuple[int, int]]] = {}  # bucket -> shard ranges holding no parameter
+        if loco.enabled and self._outer is not None and self._outer.size() > 1:
+            for i, group in enumerate(self._buffer.parameter_groups):
+                if group.main_grad_buffer is not None:
+                    self._make_compressor(f"fsdp.bucket{i}", group.main_grad_buffer.data)
+                    self._padding[i] = _padding_ranges(group.main_grad_buffer)
+        self._original = self._pipeline._bucket_group_gradient_reduce  # the bound megatron method
+        self._pipeline._bucket_group_gradient_reduce = self._reduce
+        self._pending: list[int] = []  # buckets whose cross-node reduction LoCo owes this step
+        self._original_sync = fsdp.synchronize_gradient_reduce
+        fsdp.synchronize_gradient_reduce = self._synchronize_gradient_reduce
+
+    def _make_compressor(self, key: str, shard: torch.Tensor) -> None:
+        lc = self.loco
+        layout = ShardLayout(shard.numel(), self._outer.size(), lc.loco_bits, lc.loco_block_size,
+                             options=self._options)
+        self._layouts[key] = layout
+        stream = zlib.crc32(f"{key}/rank{dist.get_rank()}".encode())  # stochastic rounding stream
+        self.compressors[key] = LoCoCompressor(
+            **layout.compressor_shape(), bits=lc.loco_bits, beta=lc.loco_beta, block_size=lc.loco_block_size,
+            error_bits=lc.loco_error_bits, reset_interval=lc.loco_reset_interval,
+            error_feedback=not lc.loco_no_error_feedback, device=shard.device, kernels=self._kernels,
+            options=self._options, stream=stream)
+
+    def _compressing(self) -> bool:
+        return bool(self.compressors) and self.iteration >= self.loco.loco_warmup_iters
+
+    def _gbuf(self, bucket_id: int):
+        return self._buffer.parameter_groups[bucket_id].main_grad_buffer
+
+    def _reduce(self, bucket_group: list, async_op: bool = False, outer_fsdp_group_grad_reduce: bool = False):
+        compress = outer_fsdp_group_grad_reduce and self._compressing()
+        start = self.clock.mark()
+        out = self._original(bucket_group, async_op=async_op,
+                             outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce and not compress)
+        self._count_inner(bucket_group)
+        if outer_fsdp_group_grad_reduce and not compress:
+            self._count_outer_uncompressed(bucket_group)
+        if compress:  # the compressed replica reduction runs once backward is over
+            self._pending.extend(bucket_group)
+        end = self.clock.mark()
+        self.stats.add_interval("grad_sync_total", start, end)
+        self.stats.add_interval("grad_sync_exposed", start, end)
+        return out
+
+    def _synchronize_gradient_reduce(self) -> None:
+        """megatron's wait for every bucket's (intra-node) reduction, then LoCo's cross-node
+        reduction of every bucket the step marked, in marking order (the same on every rank:
+        megatron's backward hooks issue buckets in program order)."""
+        self._original_sync()
+        if not self._pending:
+            return
+        start = self.clock.mark()
+        rs_stream = self._pipeline.rs_stream
+        if rs_stream is not None and torch.cuda.is_available():
+            torch.cuda.current_stream().wait_stream(rs_stream)  # the shards are accumulated there
+        pending, self._pending = self._pending, []
+        for bucket_id in pending:
+            self._loco_outer(bucket_id)
+        end = self.clock.mark()
+        self.stats.add_interval("grad_sync_total", start, end)
+        self.stats.add_interval("grad_sync_exposed", start, end)
+
+    def _count_inner(self, bucket_group: list) -> None:
+        """Megatron's reduce-scatter (all-reduce with no_shard) over the sharding group:
+        every bucket handed at its dtype."""
+        for bucket_id in bucket_group:
+            gbuf = self._gbuf(bucket_id)
+            group = gbuf.data_parallel_group
+            if group.size() == 1:
+                continue
+            nbytes = gbuf.bucket_index.size * gbuf.data.element_size()
+            self.stats.add_bytes(nbytes, nbytes, compressed=False)
+            self.stats.add_hop_bytes(*node_split(dist.get_process_group_ranks(group), self._rpn, nbytes))
+
+    def _count_outer_uncompressed(self, bucket_group: list) -> None:
+        if self._outer.size() == 1:
+            return
+        ranks = dist.get_process_group_ranks(self._outer)
+        for bucket_id in bucket_group:
+            data = self._gbuf(bucket_id).data
+            nbytes = data.numel() * data.element_size()
+            self.stats.add_bytes(nbytes, nbytes, compressed=False)
+            self.stats.add_hop_bytes(*node_split(ranks, self._rpn, nbytes))
+
+    def _loco_outer(self, bucket_id: int) -> None:
+        key = f"fsdp.bucket{bucket_id}"
+        shard = self._gbuf(bucket_id).data
+        # megatron's padding holds whatever its reduce-scatter left there (uninitialised
+        # memory): zeroed, so it cannot enter a block's scale or the error buffer.
+        for a, b in self._padding[bucket_id]:
+            shard[a:b].zero_()
+        compressor = self.compressors[key]
+        start = self.clock.mark()
+        work, sent = compressed_reduce_scatter(
+            shard, lambda flat: compressor.compress(flat, self._workspace), self._layouts[key], self._outer,
+            async_op=False, all_gather=True, average=self._ddp_config.average_in_collective, clock=self.clock,
+            decompress=self._decompress, ops=self.ops)
+        self.stats.add_interval("compress", start, work.launch_mark)
+        self.stats.add_interval("decompress", *work.decompress_marks)
+        self.stats.add_loco(compressor.last_stats)
+        handed = sent + work.gather_bytes
+        self.stats.add_bytes(handed, shard.numel() * shard.element_size(), compressed=True)
+        self.stats.add_hop_bytes(*node_split(dist.get_process_group_ranks(self._outer), self._rpn, handed))
+
+    # -- memory ---------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """As :meth:`GradSyncHook.memory_report`: error buffers (``persistent``), the
+        largest bucket's scratch plus its send/receive codes (``transient``: one bucket at a
+        time, synchronously), and the gradient elements compressed (``params``)."""
+        persistent = sum(c.error_nbytes() for c in self.compressors.values())
+        scratch = max((c.workspace_nbytes() for c in self.compressors.values()), default=0)
+        in_flight = max((2 * lay.world * lay.row_bytes for lay in self._layouts.values()), default=0)
+        return {"persistent": persistent, "transient": scratch + in_flight,
+                "params": sum(lay.numel for lay in self._layouts.values())}
+
+    def instrument(self, wrap: Callable[[object, str, str], None]) -> None:
+        """Named profiler ranges around LoCo's compression (see GradSyncHook.instrument)."""
+        for compressor in self.compressors.values():
+            wrap(compressor, "compress", "loco/compress")
+
+    # -- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {key: c.state_dict() for key, c in self.compressors.items()}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """Restore the error buffers; when they do not fit this run, start them at zero
+        with one line (as :meth:`GradSyncHook.load_state_dict`)."""
+        if sd is None:
+            return
+        if sd and not self.compressors:
+            self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
+            return
+        why = None
+        if set(sd) != set(self.compressors):
+            why = "its buckets differ"
+        else:
+            for key, c in self.compressors.items():
+                try:
+                    c.load_state_dict(sd[key])
+                except LoCoStateMismatch as e:
+                    why = f"{key}: {e}"
+                    break
+        if why is not None:
+            for c in self.compressors.values():
+                c.reset()
+            self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
+                      f"starting the error buffers at zero")
+
+
+def _padding_ranges(gbuf) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of ``gbuf.data`` (this rank's shard) that belong to no parameter."""
+    used = sorted(gbuf._get_item_local_shard_index(i) for i in gbuf.item_index_map)
+    ranges, pos = [], 0
+    for a, b in used:
+        if a == b:
+            continue
+        if a > pos:
+            ranges.append((pos, a))
+        pos = max(pos, b)
+    if pos < gbuf.data.numel():
+        ranges.append((pos, gbuf.data.numel()))
+    return ranges
+
+
+def skip_empty_shard_grads(optimizer) -> None:
+    """megatron-core 0.16.1 fix: under Megatron-FSDP a parameter whose shard on this rank is
+    empty (a small one split over many ranks) gets ``grad = None``, and the distributed
+    optimizer's found-inf check (on with our constant loss scale of 1) reads
+    ``param.grad.data`` of every parameter; it skips those (they hold no element). Replaces
+    the method on this optimizer instance (and its chained ones) only."""
+    check_megatron_core_version()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+
+        def collect(inner=inner):
+            return [p.grad.data for group in inner.param_groups for p in group["params"] if p.grad is not None]
+
+        opt._collect_main_grad_data_for_unscaling = collect
+
+
+class NoParamSync:
+    """Megatron-FSDP's parameter gather: its own, layer by layer; nothing to install or
+    checkpoint (the parameter-sync slot of the trainer)."""
+
+    def __init__(self, *unused):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+
+def fsdp_factories(default_grad: bool, grad_factory, default_param: bool, param_factory, optimizer):
+    """The trainer's (gradient, parameter) sync factories under Megatron-FSDP: the defaults
+    become :class:`FsdpGradHook` and :class:`NoParamSync` (a test's own factories are kept);
+    applies :func:`skip_empty_shard_grads` to ``optimizer``."""
+    skip_empty_shard_grads(optimizer)
+    return (FsdpGradHook if default_grad else grad_factory), (NoParamSync if default_param else param_factory)

@@ -1,0 +1,53 @@
+"""pretrain_gpt.py under Megatron-FSDP with the FSDP hook's collectives recorded and
+randomly delayed (as tests/record_collectives.py) and, before every step after the
+first, a check that every HSDP replica holds bit-identical parameter shards: each rank
+compares its local shards with the ranks of its outer (cross-node) group and prints
+``REPLICAS rank=R iter=I identical=B`` (one write per line)."""
+
+import json
+import os
+import pathlib
+import random
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from loco_megatron.cli import main_config
+from loco_megatron.loco.hooks import FsdpGradHook
+from loco_megatron.training.trainer import train
+from record_collectives import recording_ops
+
+
+class CheckedFsdpHook(FsdpGradHook):
+    def __init__(self, chunks, loco, stats, ops):
+        self._chunks, self._it = chunks, 0
+        super().__init__(chunks, loco, stats, ops=ops)
+
+    @property
+    def iteration(self) -> int:
+        return self._it
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._it = value
+        if value == 0 or self._outer is None:
+            return
+        local = [p.to_local() if hasattr(p, "to_local") else p for c in self._chunks for p in c.parameters()]
+        flat = torch.cat([t.detach().reshape(-1).float() for t in local])
+        everyone = [torch.empty_like(flat) for _ in range(self._outer.size())]
+        dist.all_gather(everyone, flat, group=self._outer)
+        same = all(torch.equal(e, flat) for e in everyone) and bool(torch.isfinite(flat).all())
+        sys.stdout.flush()
+        os.write(1, f"REPLICAS rank={dist.get_rank()} iter={value} identical={same} numel={flat.numel()}\n".encode())
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    config, env = main_config(sys.argv[1:])
+    log: list = []
+    ops = recording_ops(log, random.Random(1000 + env.rank))
+    train(config, env, grad_sync_factory=lambda chunks, loco, stats: CheckedFsdpHook(chunks, loco, stats, ops))
+    out = pathlib.Path(os.environ["LOCO_TEST_RECORD_DIR"]) / f"rank{env.rank}.json"
+    out.write_text(json.dumps(log))

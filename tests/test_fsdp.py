@@ -1,0 +1,124 @@
+"""LoCo under Megatron-FSDP (--use-megatron-fsdp): HSDP over 2 "nodes" x 2 ranks of real
+gloo processes, the intra-node reduce-scatter megatron's own, the cross-node replica
+reduction compressed."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from conftest import TINY, torchrun, train_losses
+from loco_megatron.cli import parse_config
+from loco_megatron.config import ConfigError
+
+HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--loco-ranks-per-node", "2",
+               "--micro-batch-size", "1", "--train-iters", "4"]
+
+
+def _grad_norms(metrics):
+    return {m["iteration"]: m["train/grad_norm"] for m in metrics if "train/grad_norm" in m}
+
+
+@pytest.fixture(scope="module")
+def uncompressed(cache_dir, tmp_path_factory):
+    """The HSDP run with --loco-bits 0 (the FSDP hook installed, timing only)."""
+    return torchrun(4, HSDP + ["--loco-bits", "0"], cache_dir, tmp_path_factory.mktemp("off"))[1]
+
+
+def test_loco_off_is_plain_megatron_fsdp(cache_dir, tmp_path, uncompressed):
+    """Guards against the FSDP hook changing megatron's gradient reduction when LoCo is off
+    (wrong arguments passed through, the outer reduction dropped or done twice): losses and
+    gradient norms equal megatron-core's Megatron-FSDP with no hook, bit for bit, and the
+    bytes counted are megatron's uncompressed reduce-scatter and all-reduce."""
+    _, plain = torchrun(4, HSDP, cache_dir, tmp_path, script="tests/plain_megatron.py", name="plain")
+    assert train_losses(uncompressed) == train_losses(plain) and len(train_losses(plain)) == 4
+    assert _grad_norms(uncompressed) == _grad_norms(plain)
+    last = [m for m in uncompressed if "comm/grad_bytes_sent" in m][-1]
+    assert last["comm/compression_ratio"] == 1.0 and last["comm/grad_bytes_sent_inter"] > 0
+
+
+@pytest.fixture(scope="module")
+def compressed(cache_dir, tmp_path_factory):
+    """The HSDP run with --loco-bits 4, its collectives recorded under random delays, the
+    replicas compared before every step, a checkpoint every 2 steps: (process, metrics, dir)."""
+    out = tmp_path_factory.mktemp("loco")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCO_TEST_RECORD_DIR", str(out))
+    try:
+        proc, metrics = torchrun(4, HSDP + ["--loco-bits", "4", "--save", str(out / "ck"), "--save-interval", "2",
+                                            "--ckpt-format", "torch"], cache_dir, out, script="tests/fsdp_check.py")
+    finally:
+        mp.undo()
+    return proc, metrics, out
+
+
+def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompressed):
+    """Guards against a LoCo replica reduction that leaves the HSDP replicas apart (each
+    must end the step with the same shard: the reduced rows are all-gathered), loses
+    error feedback (loss drifts from the uncompressed run), issues its collectives in a
+    timing-dependent order (random delays and is_completed() answers here), or counts bytes
+    that are not what it sent: 4-bit codes + one fp32 scale per 256-block row across nodes
+    (all-to-all) plus the reduced rows at fp32 (all-gather), once per step."""
+    proc, metrics, tmp_path = compressed
+    checks = re.findall(r"REPLICAS rank=(\d) iter=(\d+) identical=(\w+)", proc.stdout)
+    assert len(checks) == 4 * 3 and all(same == "True" for _, _, same in checks), checks
+    on, off = train_losses(metrics), train_losses(uncompressed)
+    assert on[1] == off[1]  # the first loss is computed before any update
+    assert all(abs(on[i] - off[i]) < 0.02 for i in off), (on, off)
+    assert on != off  # the compressed reduction did change the gradients
+
+    logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for comm in {tuple(g) for log in logs.values() for g, _, _ in log}:
+        seqs = [[(op, n) for g, op, n in logs[r] if tuple(g) == comm] for r in comm]
+        assert all(s == seqs[0] for s in seqs), comm
+    assert {tuple(g) for g, _, _ in logs[0]} == {(0, 2)}  # only the cross-node group, rank 0's
+
+    per_step = len(logs[0]) // 4
+    step = logs[0][:per_step]
+    assert [op for _, op, _ in step] == ["all_to_all", "all_gather"] * (per_step // 2)
+    inter = 0
+    for (_, _, a2a), (_, _, gathered) in zip(step[::2], step[1::2]):
+        piece = gathered                          # the row each rank reduced and gathers (fp32 elements)
+        blocks = -(-piece // 256)
+        assert a2a == 2 * (blocks * 256 // 2 + 4 * blocks)  # two rows of 4-bit codes + fp32 scales
+        inter += (a2a + 4 * piece) // 2          # half of what is handed goes to the other node
+    for m in (m for m in metrics if "comm/grad_bytes_sent_inter" in m):
+        assert m["comm/grad_bytes_sent_inter"] == inter
+        assert 0 < m["comm/compressed_fraction"] < 1  # the intra-node reduce-scatter is not compressed
+    assert "LoCo memory on rank 0: error buffers" in proc.stdout
+
+
+def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
+    """Guards against a Megatron-FSDP checkpoint that loses the error buffers, the Adam
+    state or the main weights (or leaves the model's gathered weights stale): resumed from
+    step 2, steps 3-4 repeat the uninterrupted run's losses and gradient norms bit for bit."""
+    _, full, out = compressed
+    ck = tmp_path / "ck"
+    shutil.copytree(out / "ck", ck)
+    shutil.rmtree(ck / "iter_0000004")
+    (ck / "latest_checkpointed_iteration.txt").write_text("2")
+    args = HSDP + ["--loco-bits", "4", "--load", str(ck), "--ckpt-format", "torch"]
+    _, resumed = torchrun(4, args, cache_dir, tmp_path, name="resumed")
+    want = {i: v for i, v in train_losses(full).items() if i > 2}
+    assert train_losses(resumed) == want and len(want) == 2
+    assert _grad_norms(resumed) == {i: v for i, v in _grad_norms(full).items() if i > 2}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--loco-bits", "4"], "--num-distributed-optimizer-instances = number of nodes"),
+    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
+    (["--param-gather-bits", "8"], "--param-gather-bits"),
+    (["--loco-hierarchical"], "--loco-hierarchical"),
+    (["--loco-intra-node-bits", "16"], "--loco-intra-node-bits"),
+    (["--num-experts", "4"], "MoE"),
+    (["--no-use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--save", "/nonexistent/ck"], "--ckpt-format torch"),
+])
+def test_unsupported_fsdp_combinations_are_one_line(args, needle):
+    """Guards against silently running a combination the FSDP path does not implement
+    (flat FSDP with LoCo, PP, the DDP path's param-gather or two-hop flags, MoE): each is
+    refused with one message naming the flag."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--use-megatron-fsdp", *args])
+    assert needle in str(e.value) and "\n" not in str(e.value)
