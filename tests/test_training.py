@@ -123,7 +123,7 @@ def test_loco_quality_on_tiny_default(cache_dir, tmp_path):
     final = {}
     original = ["--loco-quantizer", "symmetric", "--loco-scale", "absmax", "--loco-rotation", "none"]
     for name, extra in {"fp": [], "loco4": ["--loco-bits", "4"], "loco2": ["--loco-bits", "2", *original],
-                        "noef2": ["--loco-bits", "2", "--loco-no-error-feedback", *original]}.items():
+                        "noef2": ["--loco-bits", "2", "--no-loco-error-feedback", *original]}.items():
         _, metrics = torchrun(2, args + extra, cache_dir, tmp_path, name=name)
         final[name] = [m["eval/lm_loss"] for m in metrics if "eval/lm_loss" in m][-1]
     print("final eval loss:", final)

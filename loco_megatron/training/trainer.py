@@ -77,7 +77,7 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     lc = config.loco
     try:
         kernels = resolve_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
-                                  lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback,
+                                  lc.loco_block_size, lc.loco_error_bits, lc.loco_error_feedback,
                                   options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
                                                        lc.loco_rounding).non_default() if lc.enabled else ())
     except ValueError as e:
