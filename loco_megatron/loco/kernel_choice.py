@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
                     error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
-                    options: Sequence[str] = ()) -> str:
+                    options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None) -> str:
     """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
     line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
 ``options``: the quantiser options in use that differ from the original scheme (as
@@ -19,6 +19,7 @@ them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
     line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
+    ``announce`` gets one line before the C++ kernels are compiled (first use only).
     """
     if choice == "torch":
         return "torch"
@@ -36,6 +37,8 @@ them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them
             if choice == "auto":
                 return "torch"
             raise ValueError(f"--loco-kernels cpu {why}")
+        if announce is not None and cpu_kernels.needs_build():
+            announce(cpu_kernels.BUILD_NOTE)
         built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
         return "cpu" if built is not None else "torch"
     why = None
