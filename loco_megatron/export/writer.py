@@ -43,6 +43,25 @@ def default_tokenizer_path(config, cache_home: pathlib.Path) -> pathlib.Path:
     return default_corpus_dir(cache, config.data.vocab_size) / "tokenizer.model"
 
 
+def checked_tokenizer(saved, tokenizer_model: str | None, cache_home: pathlib.Path,
+                      rows: int) -> tuple[pathlib.Path, int]:
+    """``(path, pieces)`` of the run's tokenizer (``tokenizer_model``, else
+    :func:`default_tokenizer_path`); ConfigError unless it exists and its vocabulary, padded
+    as the run padded it, is the checkpoint's ``rows`` embedding rows."""
+    from loco_megatron.model import padded_vocab_size
+
+    tok_path = pathlib.Path(tokenizer_model) if tokenizer_model else default_tokenizer_path(saved, cache_home)
+    if not tok_path.is_file():
+        raise ConfigError(f"--tokenizer-model: {tok_path} (the run's tokenizer) does not exist; pass the "
+                          "sentencepiece model the run trained with")
+    pieces = len(read_pieces(str(tok_path))[0])
+    tp = saved.parallel.tensor_model_parallel_size
+    if padded_vocab_size(pieces, tp) != rows:
+        raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
+                          f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
+    return tok_path, pieces
+
+
 def check_out_dir(out: pathlib.Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out: {out} already exists and is not an empty folder (nothing was written)")
@@ -65,18 +84,10 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     path = resolve_iteration_dir(load)
     saved = read_run_config(path)
     check_exportable(saved)
-    tok_path = pathlib.Path(tokenizer_model) if tokenizer_model else default_tokenizer_path(saved, cache_home)
-    if not tok_path.is_file():
-        raise ConfigError(f"--tokenizer-model: {tok_path} (the run's tokenizer) does not exist; pass the "
-                          "sentencepiece model the run trained with")
-    pieces = len(read_pieces(str(tok_path))[0])
     rows, ddp_prefix = embedding_rows(path)
-    from loco_megatron.model import padded_vocab_size, transformer_config
+    tok_path, pieces = checked_tokenizer(saved, tokenizer_model, cache_home, rows)
+    from loco_megatron.model import transformer_config
 
-    tp = saved.parallel.tensor_model_parallel_size
-    if padded_vocab_size(pieces, tp) != rows:
-        raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
-                          f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
     config = single_rank_config(saved)
     check_exportable(config, transformer_config(config))
     tensors = load_model_tensors(path, config, rows, ddp_prefix)
