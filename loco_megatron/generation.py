@@ -106,4 +106,8 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
     config = single_rank_config(saved)
     with loaded_model(path, config, rows, ddp_prefix) as (model, _):
         new, at_eod = generate_ids(model, prompt_ids, tokenizer.eod, pieces, config.model.seq_length, sampling)
-    return Generated(prompt_ids, new, at_eod, tokenizer.detokenize(new) if new else "")
+    # Detokenised after the prompt, not alone: a leading space or a multi-byte character split
+    # across the boundary then comes out as in the whole text.
+    head, full = tokenizer.detokenize(prompt_ids), tokenizer.detokenize(prompt_ids + new)
+    text = full[len(head):] if full.startswith(head) else tokenizer.detokenize(new)
+    return Generated(prompt_ids, new, at_eod, text)
