@@ -93,13 +93,23 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
     from loco_megatron.data.tokenizer import load_tokenizer
     from loco_megatron.export.reader import (embedding_rows, loaded_model, read_run_config,
                                              resolve_iteration_dir, single_rank_config)
-    from loco_megatron.export.writer import checked_tokenizer
+    from loco_megatron.data.tokenizer import HUGGINGFACE
+    from loco_megatron.export.writer import default_tokenizer_path
+    from loco_megatron.model import padded_vocab_size
 
     path = resolve_iteration_dir(load)
     saved = read_run_config(path)
     rows, ddp_prefix = embedding_rows(path)
-    tok_path, pieces = checked_tokenizer(saved, tokenizer_model, cache_home, rows)
-    tokenizer = load_tokenizer(str(tok_path))
+    tok_type = saved.data.tokenizer_type
+    if tok_type == HUGGINGFACE:
+        tok_path = tokenizer_model or saved.data.tokenizer_model
+    else:
+        tok_path = str(tokenizer_model or default_tokenizer_path(saved, cache_home))
+    tokenizer = load_tokenizer(tok_path, tok_type)  # ConfigError naming --tokenizer-model if missing
+    pieces, tp = tokenizer.vocab_size, saved.parallel.tensor_model_parallel_size
+    if padded_vocab_size(pieces, tp) != rows:
+        raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
+                          f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
     prompt_ids = list(tokenizer.tokenize(prompt))
     if not prompt_ids:
         raise ConfigError("--prompt: empty (nothing to continue)")

@@ -46,6 +46,15 @@ def test_kernels_smoke(kernels):
     assert sum(f"{kernels} scaling 1 -> 2 threads" in line for line in out) == 2
 
 
+def test_kernels_option_ratios_smoke():
+    """Guards against the option benchmark (2-bit default vs 4-bit, one thread) breaking or
+    losing a case: one line per option case with both ratios; never asserts timings."""
+    out = _run(["benchmarks/kernels.py", "--options", "--smoke", "--kernels", "cpu"]).stdout.splitlines()
+    assert "quantiser options on the cpu kernels" in out[0]
+    cases = [line for line in out if "x 4-bit   decompress+sum" in line]
+    assert len(cases) == 6 and "2-bit default (uniform/mse/hadamard/nearest)" in cases[0]
+
+
 def test_kernels_mechanisms_and_speed_dtype(monkeypatch, capsys):
     """Guards against the mechanism comparison behind the README's choice of the C++
     kernels breaking (four mechanisms timed; torch.compile replaced by eager here, its

@@ -4,6 +4,8 @@ once per test session; see ``benchmarks/kernels.py`` for its speed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
-from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line, resolve_kernels
 from test_triton_kernels import _inputs
 
 
@@ -157,8 +159,9 @@ def test_decompress_sum_matches_reference(ext, bits, out_dtype, monkeypatch):
 
 def test_kernel_selection_and_fallback(ext, capsys):
     """Guards against --loco-kernels auto not picking the C++ kernels on CPU, a traceback
-    instead of one line for a shape they cannot run, and a missing compiler failing the
-    run (it must fall back to torch, printing one line, once)."""
+    instead of one line for a shape they cannot run, a missing compiler failing the run
+    (it must fall back to torch, printing one line, once), and the start-up kernels line
+    misnaming what runs or not saying why torch does."""
     assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "cpu"
     assert resolve_kernels("cpu", "cpu", False, 2, 264, 8, False) == "cpu"
     assert resolve_kernels("auto", "cpu", False, 4, 256, 32, True) == "torch"  # fp32 error: reference
@@ -173,9 +176,16 @@ def test_kernel_selection_and_fallback(ext, capsys):
 
     capsys.readouterr()
     assert resolve_kernels("cpu", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == "torch"
-    assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == "torch"
+    assert choose_kernels("auto", "cpu", False, 4, 256, 8, True, cpu_builder=no_compiler) == \
+        ("torch", "the C++ CPU kernels could not be built")
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "could not be built" in lines[0] and "torch reference" in lines[0], lines
+    # the start-up line names what runs, and why torch does where a fused path might have
+    assert kernels_line("cpu", True, 4, None) == "kernels: grads cpu, params cpu"
+    assert kernels_line("cpu", False, 0, None) == \
+        "kernels: grads off (megatron's reduce-scatter), params off (megatron's all-gather)"
+    assert choose_kernels("auto", "cpu", False, 4, 16384, 8, True) == \
+        ("torch", "--loco-kernels cpu needs a --loco-block-size that is a multiple of 8 up to 8192, got 16384")
 
 
 def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
@@ -183,7 +193,8 @@ def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatc
     training with --loco-kernels cpu must give exactly the torch path's losses: codes,
     scales, error and sums are bit-identical), and against a missing compiler stopping
     training: with CXX pointing nowhere and an empty extensions cache each rank prints the
-    fallback line once and trains on the torch path."""
+    fallback line once, the start-up line says torch runs and why, and it trains on the
+    torch path."""
     args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
     _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
     _, fused = torchrun(2, args + ["--loco-kernels", "cpu"], cache_dir, tmp_path, name="cpu")
@@ -191,7 +202,10 @@ def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatc
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     proc, fallback = torchrun(2, args + ["--loco-kernels", "cpu"], cache_dir, tmp_path, name="fallback")
-    assert (proc.stdout + proc.stderr).count("C++ CPU kernels could not be built") == 2  # one per rank
+    both = proc.stdout + proc.stderr
+    assert both.count("loco: the C++ CPU kernels could not be built") == 2  # one per rank
+    assert proc.stdout.count("kernels: grads torch, params off (megatron's all-gather); torch because the C++ "
+                             "CPU kernels could not be built") == 1  # rank 0's start-up line
     assert train_losses(fallback) == train_losses(ref)
 
 
@@ -216,3 +230,155 @@ def test_ragged_rows_match_the_reference(ext, numel, rows, block):
     decompress_into(recv, lay, want[: last[1] - last[0]])
     cpu_kernels.decompress_sum(recv, lay, got[: last[1] - last[0]])
     assert torch.equal(want, got) and (got[last[1] - last[0]:] == -1.0).all()
+
+
+# -- quantiser options (uniform grid, mse scale, Hadamard rotation, stochastic rounding) --
+EVERY = [qz.QuantOptions(q, s, r, rd, seed=3) for q in qz.QUANTIZERS for s in qz.SCALES
+         for r in qz.ROTATIONS for rd in qz.ROUNDINGS]
+TWO_BIT = qz.QuantOptions("uniform", "mse", "hadamard", "nearest")
+"""The --loco-bits 2 default (config.loco.LOCO_DEFAULT_OPTIONS)."""
+
+
+def _name(o: qz.QuantOptions) -> str:
+    return "/".join((o.quantizer, o.scale, o.rotation, o.rounding))
+
+
+def _assert_exact(ref: LoCoCompressor, want, got, err, err_s, tag):
+    """Codes, scales (NaN where the reference has NaN) and the stored error bit for bit."""
+    (ca, sa), (cb, sb) = want, got[:2]
+    assert torch.equal(ca, cb), tag
+    assert torch.equal(sa.isnan(), sb.isnan()) and torch.equal(sa.nan_to_num(), sb.nan_to_num()), tag
+    sd = ref.state_dict()
+    assert torch.equal(sd["error"], err) and torch.equal(sd["error_scales"], err_s), tag
+
+
+@pytest.mark.parametrize("opts", EVERY, ids=_name)
+def test_options_compress_matches_reference(ext, opts):
+    """Guards against any divergence of the fused compress from the reference for every
+    combination of quantiser options (signed uniform scale and its tie rule, the mse search
+    and its summation order, the rotation's butterflies and scaling, the rotated error
+    re-read, the stochastic-rounding hash and its key): codes, scales and the stored error
+    bit-identical over steps, for 2, 4 and 8 bits, a size off the block grid, zero and
+    denormal blocks, 3e38 and exact ties, in every instruction-set copy and both schemes."""
+    n = 2567
+    nb = qz.num_blocks(n, 256)
+    for i, bits in enumerate((2, 4, 8)):
+        for j, kind in enumerate(("random", "adversarial", "ties")):
+            isa, one_pass = ISAS[(i + j) % 3], (i + j) % 2 == 0
+            ref = LoCoCompressor(n, bits=bits, options=opts, stream=5)
+            err, err_s = _state(n, nb)
+            scratch = (torch.empty_like(err), torch.empty_like(err_s)) if one_pass else (None, None)
+            for step in range(2):
+                g = _inputs(n, step)[kind]
+                want = ref.compress(g)
+                got = cpu_kernels.compress(g, err, err_s, 0.8, bits, 256, n, *scratch, isa=isa, options=opts,
+                                           key=qz.noise_key(opts.seed, 5, step))
+                _assert_exact(ref, want, got, err, err_s, (bits, kind, step))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_options_non_finite_gradient(ext, bad):
+    """Guards against a NaN/Inf entering the (rotated) error or being hidden by the mse
+    search or the signed uniform scale: the whole error stays as it was, the scales carry
+    the overflow exactly where the reference's do, codes equal, metrics zero."""
+    opts = dataclasses.replace(TWO_BIT, rounding="stochastic")
+    n = 4096
+    ref = LoCoCompressor(n, bits=2, options=opts)
+    fused = LoCoCompressor(n, bits=2, options=opts, kernels="cpu")
+    g = torch.randn(n)
+    for step in range(2):
+        if step:
+            g[3000] = bad
+        before = fused.state_dict()["error"].clone()
+        want, got = ref.compress(g), fused.compress(g)
+        _assert_exact(ref, want, got, fused._err, fused._err_scales, step)
+    assert not want[1].isfinite().all() and torch.equal(fused._err, before)
+    assert torch.equal(fused.last_stats, torch.zeros(4))
+
+
+@pytest.mark.parametrize("opts", [TWO_BIT, qz.QuantOptions("uniform", "mse", "none", "stochastic", seed=1)], ids=_name)
+@pytest.mark.parametrize("numel,rows,block", [(5, 4, 16), (3001, 3, 64), (9001, 2, 2048), (1001, 2, 24)])
+def test_options_rows_blocks_and_decompress(ext, opts, numel, rows, block):
+    """Guards against the options path mishandling rows (ragged last row, padding), block
+    sizes (the 8-element butterflies and one more pass, long blocks, the tree sum of a non-power-of-two
+    block), the chunked two-pass reference disagreeing with the one-pass kernel, and the
+    fused decompress-and-sum not unrotating (or unrotating after the scaling): compress
+    and then decompress every rank's shard bit-identically to the reference."""
+    if opts.rotation == "hadamard" and block & (block - 1):
+        opts = dataclasses.replace(opts, rotation="none")
+    world = rows
+    bits = 2 if block % 16 == 0 else 4  # the wire's fp32 scales need 4-byte aligned code rows
+    lay = ShardLayout(numel, world, bits, block, options=opts)
+    rows_sent = []
+    for r in range(world):
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(r)) * (r + 1)
+        ref = LoCoCompressor(**lay.compressor_shape(), bits=bits, block_size=block, chunk_elements=4 * block,
+                             options=opts, stream=r)
+        fused = LoCoCompressor(**lay.compressor_shape(), bits=bits, block_size=block, kernels="cpu", options=opts,
+                               stream=r)
+        for step in range(2):
+            want = ref.compress(g)
+            got = fused.compress(g)
+            _assert_exact(ref, want, got, fused._err, fused._err_scales, (r, step))
+        rows_sent.append(lay.pack(*got))
+    for j in range(world):
+        recv = torch.stack([s[j] for s in rows_sent]).contiguous()
+        a, b = lay.row_range(j)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = torch.full((lay.piece + 3,), 42.0, dtype=out_dtype)
+            got = want.clone()
+            decompress_into(recv, lay, want[: b - a], 1.0 / world)
+            cpu_kernels.decompress_sum(recv, lay, got[: b - a], 1.0 / world, isa=ISAS[j % 3])
+            assert torch.equal(want, got), (j, out_dtype)
+
+
+def test_two_hop_layouts_with_the_two_bit_default(ext):
+    """Guards against the fused kernels breaking two-hop LoCo's layouts (hop 1: rows grouped
+    by local rank, pieces = nodes; hop 2: padded shards): compress and decompress-and-sum
+    of both hops with the 2-bit default equal the reference bit for bit."""
+    from loco_megatron.loco.two_hop import TwoHopLayout
+
+    lay = TwoHopLayout(5000, nodes=2, per_node=2, intra_bits=2, inter_bits=2, block_size=256, options=TWO_BIT)
+    for hop in (lay.intra, lay.inter):
+        sent = []
+        for r in range(hop.world):
+            g = torch.randn(hop.numel, generator=torch.Generator().manual_seed(r))
+            ref = LoCoCompressor(**hop.compressor_shape(), bits=2, options=TWO_BIT, stream=r)
+            fused = LoCoCompressor(**hop.compressor_shape(), bits=2, options=TWO_BIT, kernels="cpu", stream=r)
+            want, got = ref.compress(g), fused.compress(g)
+            _assert_exact(ref, want, got, fused._err, fused._err_scales, r)
+            sent.append(hop.pack(*got))
+        recv = torch.stack([s[0] for s in sent]).contiguous()
+        want, got = torch.empty(hop.shard), torch.empty(hop.shard)
+        decompress_into(recv, hop, want, 0.5)
+        cpu_kernels.decompress_sum(recv, hop, got, 0.5)
+        assert torch.equal(want, got)
+
+
+def test_training_two_bit_default_on_cpu_kernels_matches_torch(cache_dir, tmp_path):
+    """Guards against the 2-bit default (uniform/mse/hadamard) silently running on torch
+    under --loco-kernels auto, or its fused path differing from the reference in training:
+    2 ranks, auto picks the C++ kernels (named on the start-up line) and the losses equal
+    the torch path's exactly."""
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "2"]
+    _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
+    proc, fused = torchrun(2, args, cache_dir, tmp_path, name="auto")
+    assert "kernels: grads cpu, params off (megatron's all-gather)" in proc.stdout
+    assert train_losses(ref) == train_losses(fused) and sorted(train_losses(ref)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("ef", [True, False])
+def test_options_bf16_gradient_and_no_error_feedback(ext, ef):
+    """Guards against the options path misreading a bf16 gradient or touching an error
+    buffer the ablation does not have: bf16 in, the 2-bit default with stochastic rounding,
+    codes, scales (and the error) bit-identical to the reference over steps."""
+    opts = dataclasses.replace(TWO_BIT, rounding="stochastic", seed=9)
+    ref = LoCoCompressor(3000, bits=2, error_feedback=ef, options=opts, stream=2)
+    fused = LoCoCompressor(3000, bits=2, error_feedback=ef, options=opts, stream=2, kernels="cpu")
+    for step in range(3):
+        g = torch.randn(3000, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        a, b = ref.compress(g), fused.compress(g)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
+    if ef:
+        assert torch.equal(ref.state_dict()["error"], fused.state_dict()["error"])
+    torch.testing.assert_close(ref.last_stats, fused.last_stats, rtol=1e-4, atol=0)

@@ -15,7 +15,7 @@ import torch
 from conftest import TINY, torchrun, train_losses
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
-from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line, resolve_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -144,6 +144,12 @@ def test_kernel_selection():
         resolve_kernels("triton", "cuda", False, 4, 192, 8, True)
     with pytest.raises(ValueError, match="int8 error buffer"):
         resolve_kernels("triton", "cuda", False, 4, 256, 32, True)
+    # auto on CUDA with an option the Triton kernels lack: torch, and the start-up line says why
+    two_bit = ["--loco-quantizer uniform", "--loco-scale mse", "--loco-rotation hadamard"]
+    kernels, why = choose_kernels("auto", "cuda", False, 2, 256, 8, True, options=two_bit)
+    assert (kernels, why) == ("torch", "--loco-kernels triton does not implement " + ", ".join(two_bit))
+    assert kernels_line(kernels, True, 4, why) == f"kernels: grads torch, params torch; torch because {why}"
+    assert choose_kernels("auto", "cuda", False, 4, 256, 8, True) == ("triton", None)
 
 
 def test_jit_functions_read_only_constexpr_globals(tk):

@@ -6,6 +6,9 @@ they are an error (JSON is UTF-8 by definition, so the file is damaged or mislab
 in ``.txt`` they are replaced by U+FFFD, with one warning per file giving the count and
 the first line (plain-text dumps often hold a few stray Latin-1 bytes). ``.gz`` and
 ``.zst`` files (e.g. ``corpus.jsonl.zst``) are read compressed, by the same rules.
+``.parquet`` files are read with pyarrow (one document per row of the text column, in
+row order); a Hugging Face dataset (local folder or hub name) with the ``datasets``
+library, an optional dependency (requirements-datasets.txt).
 """
 
 import json
@@ -45,7 +48,12 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
         if not p.is_file():
             raise InputError(f"{path} does not exist")
         suffixes = [x for x in p.suffixes if x not in (".gz", ".zst")]
-        docs = _jsonl(p, json_key) if suffixes and suffixes[-1] in (".jsonl", ".json") else _text(p)
+        if p.suffix == ".parquet":
+            docs = _parquet(p, json_key)
+        elif suffixes and suffixes[-1] in (".jsonl", ".json"):
+            docs = _jsonl(p, json_key)
+        else:
+            docs = _text(p)
         for doc in docs:
             count += 1
             yield doc
@@ -70,6 +78,68 @@ def _jsonl(p: pathlib.Path, json_key: str) -> Iterator[str]:
                 raise InputError(f"{p}:{n}: '{json_key}' is not a string")
             if text:
                 yield text
+
+
+def _parquet(p: pathlib.Path, column: str, batch_rows: int = 1024) -> Iterator[str]:
+    """The ``column`` of a parquet file, row group by row group; null and empty rows are skipped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(p)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{p} is not a parquet file ({str(e).splitlines()[0][:120]})") from None
+    names = f.schema_arrow.names
+    if column not in names:
+        raise InputError(f"{p} has no column '{column}' (columns: {', '.join(names)}); choose one with --json-keys")
+    kind = f.schema_arrow.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise InputError(f"{p}: column '{column}' holds {kind}, not text")
+    for batch in f.iter_batches(batch_size=batch_rows, columns=[column]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield text
+
+
+def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train",
+                    streaming: bool = False) -> Iterator[str]:
+    """The ``column`` of a Hugging Face dataset: a folder written by ``save_to_disk``, a local
+    dataset folder or data files, or a hub name (``streaming``: read as it downloads). Raises
+    InputError (one line) when ``datasets`` is missing or the dataset or column cannot be read."""
+    try:
+        import datasets
+    except ImportError:
+        raise InputError("--hf-dataset needs the datasets library: pip install -r requirements-datasets.txt") from None
+    path = pathlib.Path(name)
+    try:
+        if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split]
+            if streaming:
+                ds = ds.to_iterable_dataset()
+        else:
+            ds = datasets.load_dataset(name, subset, split=split, streaming=streaming)
+    except Exception as e:  # FileNotFoundError, DatasetNotFoundError, ConnectionError, KeyError (split)...
+        raise InputError(f"--hf-dataset: {name} could not be loaded ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    names = list(ds.column_names or [])
+    if names and column not in names:
+        raise InputError(f"--hf-dataset: {name} has no column '{column}' (columns: {', '.join(names)}); "
+                         "choose one with --json-keys")
+    count = 0
+    for row in ds.select_columns([column]) if names else ds:  # streamed without features: no column names
+        if column not in row:
+            raise InputError(f"--hf-dataset: {name} has no column '{column}' (columns: {', '.join(row)}); "
+                             "choose one with --json-keys")
+        text = row[column]
+        if text is not None and not isinstance(text, str):
+            raise InputError(f"--hf-dataset: {name}: column '{column}' holds {type(text).__name__}, not text")
+        if text:
+            count += 1
+            yield text
+    if count == 0:
+        raise InputError(f"--hf-dataset: {name} ({split}) holds no documents")
 
 
 def _text(p: pathlib.Path) -> Iterator[str]:

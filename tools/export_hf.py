@@ -25,14 +25,18 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="new folder to write (must not exist or be empty)")
     ap.add_argument("--tokenizer-model", default=None,
                     help="the run's sentencepiece model (default: the one its config names, or the built-in "
-                         "corpus's under its --data-cache-path)")
+                         "corpus's under its --data-cache-path); with --tokenizer-type HuggingFaceTokenizer a "
+                         "Hugging Face tokenizer folder, tokenizer.json or hub name")
+    ap.add_argument("--tokenizer-type", default=None, choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
+                    help="how to read --tokenizer-model (default: the run's --tokenizer-type)")
     args = ap.parse_args()
     # megatron-core warns at import about optional fused kernels; the export uses none of them.
     warnings.simplefilter("ignore")
     try:
         from loco_megatron.export import export_to_hf, print_summary
 
-        summary = export_to_hf(args.load, args.out, args.tokenizer_model, pathlib.Path.home() / ".cache")
+        summary = export_to_hf(args.load, args.out, args.tokenizer_model, pathlib.Path.home() / ".cache",
+                               args.tokenizer_type)
     except ConfigError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Tokenise text or JSON-lines files into a Megatron indexed dataset (PREFIX.bin/.idx).
+"""Tokenise text, JSON-lines or parquet files, or a Hugging Face dataset, into a Megatron
+indexed dataset (PREFIX.bin/.idx, and PREFIX.meta.json naming the tokenizer).
 
     python tools/preprocess_data.py --input corpus.jsonl.zst --tokenizer-model data/tok.model \
         --output-prefix data/corpus_text_document --workers 8
+    python tools/preprocess_data.py --input shard-*.parquet --json-keys content \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/hf_tok \
+        --output-prefix data/corpus_text_document --workers 8
     torchrun ... pretrain_gpt.py --data-path data/corpus_text_document --tokenizer-model data/tok.model
 
-Inputs: .jsonl (one JSON object per line, text under --json-key) or text (documents
-separated by blank lines), each optionally .gz or .zst compressed. With --workers N,
-N processes tokenise while this one reads and writes, in input order.
+Inputs (--input): .jsonl (one JSON object per line, text under --json-keys), .parquet
+(one document per row of the --json-keys column) or text (documents separated by blank
+lines), .jsonl/.txt optionally .gz or .zst compressed. Or --hf-dataset: a Hugging Face
+dataset (a local folder, or a hub name, with --streaming to read it as it downloads;
+needs `pip install -r requirements-datasets.txt`). With --workers N, N processes tokenise
+while this one reads and writes, in input order (the files are the same as with 1).
 """
 
 import argparse
 import functools
+import itertools
 import multiprocessing
 import pathlib
 import sys
@@ -25,46 +33,70 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # megatron-core warns on import that TransformerEngine/Apex are absent; expected here.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from _inputs import InputError, fail, iter_documents  # noqa: E402
+from _inputs import InputError, fail, iter_documents, iter_hf_dataset  # noqa: E402
 
 from loco_megatron.config import ConfigError  # noqa: E402
 from loco_megatron.data.indexed import write_token_documents  # noqa: E402
-from loco_megatron.data.tokenizer import load_tokenizer  # noqa: E402
+from loco_megatron.data.tokenizer import TOKENIZER_TYPES, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 
 @functools.lru_cache(maxsize=1)
-def _tokenizer(model: str):
+def _tokenizer(model: str, tokenizer_type: str):
     """One tokenizer per process (the pool re-sends the encoder with every chunk of work)."""
-    return load_tokenizer(model)
+    return load_tokenizer(model, tokenizer_type)
 
 
 class _Encoder:
     """Tokenises one document (EOD appended)."""
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, tokenizer_type: str):
+        self.model, self.tokenizer_type = model, tokenizer_type
 
     def __call__(self, doc: str):
-        tok = _tokenizer(self.model)
+        tok = _tokenizer(self.model, self.tokenizer_type)
         # an int32 array pickles back to the writer far cheaper than a list of ints
         return np.asarray(list(tok.tokenize(doc)) + [tok.eod], dtype=np.int32)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files, optionally .gz/.zst")
-    ap.add_argument("--tokenizer-model", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", help=".txt, .jsonl (optionally .gz/.zst) or .parquet files")
+    src.add_argument("--hf-dataset", help="a Hugging Face dataset: a local folder or a hub name (needs datasets)")
+    ap.add_argument("--hf-subset", default=None, help="the dataset's configuration (subset) name")
+    ap.add_argument("--hf-split", default="train", help="the dataset's split (default train)")
+    ap.add_argument("--streaming", action="store_true", help="read --hf-dataset as it downloads")
+    ap.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    ap.add_argument("--tokenizer-model", required=True,
+                    help="sentencepiece .model, or a Hugging Face tokenizer folder/tokenizer.json/hub name")
     ap.add_argument("--output-prefix", required=True)
-    ap.add_argument("--json-key", default="text")
+    ap.add_argument("--json-keys", "--json-key", dest="json_keys", nargs="+", default=["text"],
+                    help="the text's key in .jsonl, its column in .parquet and --hf-dataset (one; default text)")
     ap.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1: in this process)")
     args = ap.parse_args()
     if args.workers < 1:
         fail("--workers must be >= 1")
+    if len(args.json_keys) != 1:
+        fail(f"--json-keys: give one key ({' '.join(args.json_keys)} given); this tool writes one dataset")
+    if args.streaming and not args.hf_dataset:
+        fail("--streaming goes with --hf-dataset")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    key = args.json_keys[0]
     try:
-        tok = load_tokenizer(args.tokenizer_model)
+        if args.hf_dataset:
+            docs = iter_hf_dataset(args.hf_dataset, key, args.hf_subset, args.hf_split, args.streaming)
+        else:
+            docs = iter_documents(args.input, key)
+        # A missing file or column fails here, in seconds, not after the tokenizer (megatron) loads.
+        docs = itertools.chain([next(docs)], docs)
+        tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type)
+        fingerprint = tokenizer_fingerprint(args.tokenizer_model, args.tokenizer_type, tok)
         pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-        encode = _Encoder(args.tokenizer_model)
-        docs = iter_documents(args.input, args.json_key)
+        encode = _Encoder(args.tokenizer_model, args.tokenizer_type)
         counted = {"docs": 0}
 
         def count(ids_iter):
@@ -72,15 +104,16 @@ def main() -> None:
                 counted["docs"] += 1
                 yield ids
 
+        def write(ids_iter):
+            return write_token_documents(count(ids_iter), tok.vocab_size, args.output_prefix, True, tok.eod,
+                                         args.tokenizer_type, fingerprint)
+
         start = time.perf_counter()
         if args.workers == 1:
-            n = write_token_documents(count(map(encode, docs)), tok.vocab_size, args.output_prefix,
-                                      args.tokenizer_model, progress=True, eod=tok.eod)
+            n = write(map(encode, docs))
         else:
             with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-                ids = pool.imap(encode, docs, chunksize=64)  # ordered: the dataset keeps input order
-                n = write_token_documents(count(ids), tok.vocab_size, args.output_prefix, args.tokenizer_model,
-                                          progress=True, eod=tok.eod)
+                n = write(pool.imap(encode, docs, chunksize=64))  # ordered: the dataset keeps input order
     except (ConfigError, InputError) as e:  # write_token_documents has removed its temporary files
         fail(str(e))
     seconds = time.perf_counter() - start

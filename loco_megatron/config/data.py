@@ -14,7 +14,12 @@ class DataConfig:
     """Megatron indexed dataset(s) (PREFIX.bin/PREFIX.idx): 'PREFIX', 'P1 P2' (weighted by
     size) or 'W1 P1 W2 P2' (a blend drawn in proportion to the weights). None = the built-in corpus."""
     tokenizer_model: Optional[str] = None
-    """sentencepiece .model file (required with --data-path)."""
+    """The tokenizer (required with --data-path): a sentencepiece .model file, or with
+    --tokenizer-type HuggingFaceTokenizer a Hugging Face tokenizer folder, its tokenizer.json
+    or a hub name."""
+    tokenizer_type: str = "SentencePieceTokenizer"
+    """SentencePieceTokenizer or HuggingFaceTokenizer (Megatron-LM's names): how to read
+    --tokenizer-model. The built-in corpus uses its own sentencepiece tokenizer."""
     split: str = "98,2,0"
     """Train/validation/test split weights of the documents."""
     micro_batch_size: int = 4
@@ -32,6 +37,13 @@ class DataConfig:
     """Validation data (same form), with --train-data-path."""
 
     def __post_init__(self):
+        types = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+        require(self.tokenizer_type in types, "tokenizer_type", f"'{self.tokenizer_type}' is not one of "
+                f"{', '.join(types)}")
+        if self.tokenizer_type != "SentencePieceTokenizer":
+            require(self.data_path is not None or self.train_data_path is not None, "tokenizer_type",
+                    f"{self.tokenizer_type} needs --data-path and --tokenizer-model "
+                    "(the built-in corpus has its own sentencepiece tokenizer)")
         require(self.micro_batch_size > 0, "micro_batch_size", "must be positive")
         require(self.global_batch_size > 0, "global_batch_size", "must be positive")
         parts = self.split.split(",")

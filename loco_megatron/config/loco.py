@@ -43,16 +43,18 @@ class LoCoConfig:
     """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
     loco_kernels: str = choice("auto", ("auto", "torch", "triton", "cpu"))
     """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
-    installed and the shape is supported; the fused C++ kernels on CPU when they build;
-    else torch), torch (the reference), triton, or cpu (falls back to torch, with one
-    line, when no C++ compiler is present)."""
+    installed and the shape and quantiser options are supported; the fused C++ kernels,
+    which implement every quantiser option, on CPU when they build; else torch, and the
+    start-up line says why), torch (the reference), triton, or cpu (falls back to torch,
+    with one line, when no C++ compiler is present). See docs/kernels.md."""
     loco_quantizer: Optional[str] = choice(None, ("symmetric", "uniform"))
     """Gradient code grid: symmetric (codes -qmax..qmax, levels k*s; 2 bits use three of the
     four codes) or uniform (all 2**bits codes, levels (k+0.5)*s). Default: per --loco-bits
     (LOCO_DEFAULT_OPTIONS)."""
     loco_scale: Optional[str] = choice(None, ("absmax", "mse"))
     """Per-block scale: absmax, or mse (the clip ratio of 1.0 ... 0.5 with the least squared
-    error, per block; the clipped part is carried by the error feedback). Default: per --loco-bits."""
+    error, per block, searched in units of the absmax scale; the clipped part is carried
+    by the error feedback). Default: per --loco-bits."""
     loco_rotation: Optional[str] = choice(None, ("none", "hadamard"))
     """none, or hadamard: block-wise randomized Walsh-Hadamard rotation before quantising
     (signs from --loco-quant-seed, shared by every rank; needs a power-of-two

@@ -36,9 +36,9 @@ def resolve_data(config: Config, cache_dir: str, log: Optional[Callable[[str], N
     else:
         prefix, model = None, d.tokenizer_model
     blends = blends_from(d.data_path, d.train_data_path, d.valid_data_path, prefix)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, d.tokenizer_type)
     for p in blends.prefixes:
-        check_indexed_dataset(p, tokenizer, model)
+        check_indexed_dataset(p, tokenizer, model, tokenizer_type=d.tokenizer_type)
     return DataSources(blends.prefixes[0], model, tokenizer, blends)
 
 

@@ -22,24 +22,26 @@ def token_dtype(vocab_size: int):
 
 
 def write_indexed_dataset(docs: Iterable[str], tokenizer, prefix: str, tokenizer_model: str,
-                          progress: bool = False) -> int:
+                          progress: bool = False, tokenizer_type: str = "SentencePieceTokenizer") -> int:
     """Tokenise ``docs`` (one document each, EOD appended) into ``prefix``.bin/.idx.
     Returns the number of tokens."""
+    from loco_megatron.data.tokenizer import tokenizer_fingerprint
+
     ids = (list(tokenizer.tokenize(doc)) + [tokenizer.eod] for doc in docs)
-    return write_token_documents(ids, tokenizer.vocab_size, prefix, tokenizer_model, progress, tokenizer.eod)
+    return write_token_documents(ids, tokenizer.vocab_size, prefix, progress, tokenizer.eod, tokenizer_type,
+                                 tokenizer_fingerprint(tokenizer_model, tokenizer_type, tokenizer))
 
 
-def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, tokenizer_model: str,
-                          progress: bool = False, eod: Optional[int] = None) -> int:
-    """Write already tokenised documents (lists or arrays of ids, EOD included) to ``prefix``.bin/.idx.
+def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, progress: bool, eod: int,
+                          tokenizer_type: str, fingerprint: str) -> int:
+    """Write already tokenised documents (lists or arrays of ids, EOD included) to ``prefix``.bin/.idx,
+    and ``prefix``.meta.json recording the tokenizer (type, fingerprint, vocabulary size, EOD).
 
     Files are written under temporary names and renamed at the end, so an interrupted
     run never leaves a dataset that looks complete. Returns the number of tokens.
     """
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    from loco_megatron.data.tokenizer import tokenizer_fingerprint
 
     tmp = f"{prefix}.tmp{os.getpid()}"
     try:
@@ -54,8 +56,8 @@ def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, tok
             builder.end_document()
             n_tokens += len(ids)
         builder.finalize(tmp + ".idx")
-        meta = {"vocab_size": vocab_size, "tokenizer": tokenizer_fingerprint(tokenizer_model),
-                "num_tokens": n_tokens, **({"eod": eod} if eod is not None else {})}
+        meta = {"vocab_size": vocab_size, "tokenizer_type": tokenizer_type, "tokenizer": fingerprint,
+                "num_tokens": n_tokens, "eod": eod}
         pathlib.Path(tmp + ".meta.json").write_text(json.dumps(meta))
         for ext in (".bin", ".idx", ".meta.json"):
             os.replace(tmp + ext, prefix + ext)
@@ -66,9 +68,11 @@ def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, tok
 
 
 def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str],
-                          sample_tokens: int = 1 << 24) -> None:
+                          sample_tokens: int = 1 << 24, tokenizer_type: str = "SentencePieceTokenizer") -> None:
     """Raise ConfigError (one line naming the file) unless ``prefix`` is a readable
-    dataset whose token ids fit ``tokenizer``'s vocabulary."""
+    dataset whose token ids fit ``tokenizer``'s vocabulary, made with this tokenizer when
+    its ``.meta.json`` says which (a meta.json without ``tokenizer_type`` predates Hugging
+    Face tokenizers: sentencepiece)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     for ext in (".bin", ".idx"):
@@ -90,7 +94,11 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
         from loco_megatron.data.tokenizer import tokenizer_fingerprint
 
         meta = json.loads(meta_path.read_text())
-        if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer_model):
+        built_with = meta.get("tokenizer_type", "SentencePieceTokenizer")
+        if built_with != tokenizer_type:
+            raise ConfigError(f"--tokenizer-type: {prefix} was built with a {built_with} (its .meta.json), "
+                              f"not a {tokenizer_type}")
+        if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer_model, tokenizer_type, tokenizer):
             raise ConfigError(f"--tokenizer-model: {tokenizer_model} is not the tokenizer {prefix} "
                               f"was built with (vocab {meta.get('vocab_size')} vs {tokenizer.vocab_size})")
     # Every id must be a row of the embedding table; scan a bounded prefix of the data.

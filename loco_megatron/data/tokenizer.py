@@ -1,4 +1,5 @@
-"""sentencepiece tokenizers: training, and loading as a megatron-core tokenizer."""
+"""Tokenizers: sentencepiece (training, loading) and the dispatch on ``--tokenizer-type``
+(Megatron-LM's names) to it or to Hugging Face tokenizers (:mod:`.hf_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,34 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     return model_prefix + ".model"
 
 
-def tokenizer_fingerprint(model_path: str) -> str:
+SENTENCEPIECE, HUGGINGFACE = "SentencePieceTokenizer", "HuggingFaceTokenizer"
+TOKENIZER_TYPES = (SENTENCEPIECE, HUGGINGFACE)
+"""``--tokenizer-type`` values (Megatron-LM's names)."""
+
+
+def tokenizer_fingerprint(model_path: str, tokenizer_type: str = SENTENCEPIECE, tokenizer=None) -> str:
+    """16 hex digits identifying the tokenizer: the sentencepiece file's hash, or for a Hugging
+    Face tokenizer (``tokenizer``: the loaded one, else loaded here) its serialised pipeline's."""
+    if tokenizer_type == HUGGINGFACE:
+        from loco_megatron.data.hf_tokenizer import hf_fingerprint
+
+        return hf_fingerprint(tokenizer if tokenizer is not None else load_tokenizer(model_path, tokenizer_type))
     return hashlib.sha256(pathlib.Path(model_path).read_bytes()).hexdigest()[:16]
 
 
-def load_tokenizer(model_path: str):
-    """A megatron-core ``MegatronTokenizer`` over the sentencepiece model at ``model_path``."""
+def load_tokenizer(model_path: str, tokenizer_type: str = SENTENCEPIECE):
+    """A megatron-core ``MegatronTokenizer`` over the sentencepiece model at ``model_path``, or
+    (``HuggingFaceTokenizer``) over the Hugging Face tokenizer it names. Raises ConfigError."""
+    if tokenizer_type == HUGGINGFACE:
+        from loco_megatron.data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(model_path)
+    if tokenizer_type != SENTENCEPIECE:
+        raise ConfigError(f"--tokenizer-type: '{tokenizer_type}' is not one of {', '.join(TOKENIZER_TYPES)}")
     p = pathlib.Path(model_path)
     if p.is_dir():  # e.g. a Hugging Face tokenizer folder: say so rather than "does not exist"
-        raise ConfigError(f"--tokenizer-model: {model_path} is a directory, not a sentencepiece .model file")
+        raise ConfigError(f"--tokenizer-model: {model_path} is a directory, not a sentencepiece .model file "
+                          f"(for a Hugging Face tokenizer folder add --tokenizer-type {HUGGINGFACE})")
     if not p.is_file():
         raise ConfigError(f"--tokenizer-model: {model_path} does not exist")
     from megatron.core.tokenizers import MegatronTokenizer

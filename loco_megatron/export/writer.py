@@ -12,6 +12,8 @@ import sys
 import torch
 
 from loco_megatron.config import ConfigError
+from loco_megatron.data.hf_tokenizer import hf_special_token_ids, save_hf_tokenizer
+from loco_megatron.data.tokenizer import HUGGINGFACE, load_tokenizer
 from loco_megatron.export.hf_config import check_exportable, hf_config
 from loco_megatron.export.reader import (embedding_rows, load_model_tensors, read_run_config,
                                          resolve_iteration_dir, single_rank_config)
@@ -43,32 +45,18 @@ def default_tokenizer_path(config, cache_home: pathlib.Path) -> pathlib.Path:
     return default_corpus_dir(cache, config.data.vocab_size) / "tokenizer.model"
 
 
-def checked_tokenizer(saved, tokenizer_model: str | None, cache_home: pathlib.Path,
-                      rows: int) -> tuple[pathlib.Path, int]:
-    """``(path, pieces)`` of the run's tokenizer (``tokenizer_model``, else
-    :func:`default_tokenizer_path`); ConfigError unless it exists and its vocabulary, padded
-    as the run padded it, is the checkpoint's ``rows`` embedding rows."""
-    from loco_megatron.model import padded_vocab_size
-
-    tok_path = pathlib.Path(tokenizer_model) if tokenizer_model else default_tokenizer_path(saved, cache_home)
-    if not tok_path.is_file():
-        raise ConfigError(f"--tokenizer-model: {tok_path} (the run's tokenizer) does not exist; pass the "
-                          "sentencepiece model the run trained with")
-    pieces = len(read_pieces(str(tok_path))[0])
-    tp = saved.parallel.tensor_model_parallel_size
-    if padded_vocab_size(pieces, tp) != rows:
-        raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
-                          f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
-    return tok_path, pieces
-
-
 def check_out_dir(out: pathlib.Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out: {out} already exists and is not an empty folder (nothing was written)")
 
 
-def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: pathlib.Path) -> ExportSummary:
+def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: pathlib.Path,
+                 tokenizer_type: str | None = None) -> ExportSummary:
     """Export ``load`` (SAVE root or iter_N folder) to the new folder ``out``.
+
+    ``tokenizer_model``/``tokenizer_type``: the run's tokenizer (None: the one its saved config
+    names); a Hugging Face one is written as its own files (same ids as in training), a
+    sentencepiece one converted (see :mod:`loco_megatron.export.tokenizer`).
 
     Writes ``model.safetensors``, ``config.json``, ``generation_config.json`` and the
     tokenizer files. Every check (options, files, tokenizer size) runs before anything is
@@ -84,17 +72,30 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     path = resolve_iteration_dir(load)
     saved = read_run_config(path)
     check_exportable(saved)
+    tok_type = tokenizer_type or saved.data.tokenizer_type
+    tok_path = pathlib.Path(tokenizer_model) if tokenizer_model else default_tokenizer_path(saved, cache_home)
+    if tok_type == HUGGINGFACE:
+        hf_tok = load_tokenizer(tokenizer_model or saved.data.tokenizer_model, HUGGINGFACE)
+        pieces, special_ids = hf_tok.vocab_size, hf_special_token_ids(hf_tok)
+    else:
+        if not tok_path.is_file():
+            raise ConfigError(f"--tokenizer-model: {tok_path} (the run's tokenizer) does not exist; pass the "
+                              "sentencepiece model the run trained with")
+        pieces, special_ids = len(read_pieces(str(tok_path))[0]), special_token_ids(str(tok_path))
     rows, ddp_prefix = embedding_rows(path)
-    tok_path, pieces = checked_tokenizer(saved, tokenizer_model, cache_home, rows)
-    from loco_megatron.model import transformer_config
+    from loco_megatron.model import padded_vocab_size, transformer_config
 
+    tp = saved.parallel.tensor_model_parallel_size
+    if padded_vocab_size(pieces, tp) != rows:
+        raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
+                          f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
     config = single_rank_config(saved)
     check_exportable(config, transformer_config(config))
     tensors = load_model_tensors(path, config, rows, ddp_prefix)
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # --bf16 runs keep the torch norms' weights in fp32 next to bf16 linears: one dtype in the file.
     weights = {k: v.to(getattr(torch, dtype)) for k, v in to_hf(tensors, config, pieces).items()}
-    hf = hf_config(config, pieces, dtype, special_token_ids(str(tok_path)))
+    hf = hf_config(config, pieces, dtype, special_ids)
 
     tmp = out_path.parent / f".{out_path.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -106,7 +107,10 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        write_tokenizer(str(tok_path), tmp, config.model.max_position_embeddings)
+        if tok_type == HUGGINGFACE:
+            save_hf_tokenizer(hf_tok, tmp, config.model.max_position_embeddings)
+        else:
+            write_tokenizer(str(tok_path), tmp, config.model.max_position_embeddings)
         check_out_dir(out_path)  # nobody created it meanwhile
         if out_path.is_dir():
             out_path.rmdir()

@@ -72,7 +72,7 @@ class LoCoCompressor:
             raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
         self.options = options or qz.DEFAULT_OPTIONS
         self._plain = not self.options.non_default()  # today's scheme: the exact fast torch ops
-        if kernels != "torch" and not self._plain:
+        if kernels == "triton" and not self._plain:
             raise ValueError(f"the {kernels} kernels do not implement {', '.join(self.options.non_default())}")
         if self.options.rotation == "hadamard":
             rot.check_block_size(block_size)
@@ -321,9 +321,10 @@ class LoCoCompressor:
             shape = (self.num_blocks, self.block_size)
             scratch = (ws.get("new_err", shape, g.device, torch.int8),
                        ws.get("new_err_scales", (self.num_blocks,), g.device))
+        key = qz.noise_key(self.options.seed, self.stream, self.step) if self.options.rounding == "stochastic" else 0
         codes, scales, self.last_stats = cpu_kernels.compress(
             g, self._err, self._err_scales, self.beta, self.bits, self.block_size, self.numel, *scratch,
-            rows=self.rows)
+            rows=self.rows, options=None if self._plain else self.options, key=key)
         self.step += 1
         return codes, scales
 

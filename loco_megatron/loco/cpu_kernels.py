@@ -15,13 +15,20 @@ scales and decompressed sums; the stored error matches within one int8 step.
 from __future__ import annotations
 
 import functools
+import hashlib
 import pathlib
 import sys
 from typing import Callable, Optional
 
 import torch
 
+from loco_megatron.loco import quantize as qz
+from loco_megatron.loco import rotation as rot
+
 SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "loco_cpu.cpp"
+HEADERS = (SOURCE.parent / "quant_options.h",)
+"""Included by :data:`SOURCE`; torch's build cache hashes only the sources and the flags,
+so their hash goes into a ``-D`` flag (an edited header rebuilds the extension)."""
 MAX_BLOCK = 8192
 """Largest --loco-block-size the kernels take (their per-thread block buffers are on the stack)."""
 
@@ -38,19 +45,21 @@ BUILD_NOTE = "building LoCo's C++ CPU kernels (first use only, ~1 min; cached in
 
 def needs_build() -> bool:
     """Whether loading the kernels compiles them first: no built library in torch's
-    extensions folder yet, or one older than the source (ninja then rebuilds)."""
+    extensions folder yet, or one older than the source or its headers (then it is rebuilt)."""
     from torch.utils import cpp_extension
 
     # torch's own folder choice ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu).
     built = pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False)) / f"{NAME}.so"
-    return not built.is_file() or built.stat().st_mtime < SOURCE.stat().st_mtime
+    return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (SOURCE, *HEADERS))
 
 
 def _build_with_torch(verbose: bool = False):
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=verbose)
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
+                              extra_cflags=CFLAGS + [f"-DLOCO_HEADERS_{digest}"], extra_ldflags=["-fopenmp"],
+                              verbose=verbose)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +76,8 @@ def extension(builder: Callable = _build_with_torch):
 
 
 def unsupported(bits: int, block_size: int, error_bits: int, error_feedback: bool) -> Optional[str]:
+    # Every quantiser option (uniform grid, mse scale, Hadamard rotation, stochastic
+    # rounding) is implemented; the rotation's power-of-two block is checked by the config.
     """Why the kernels cannot run this configuration (one phrase), or None."""
     if bits not in (2, 4, 8):
         return f"supports 2, 4 or 8 bits, got {bits}"
@@ -79,7 +90,8 @@ def unsupported(bits: int, block_size: int, error_bits: int, error_feedback: boo
 
 def compress(g: torch.Tensor, err: Optional[torch.Tensor], err_scales: Optional[torch.Tensor], beta: float,
              bits: int, block_size: int, numel: int, err_scratch: Optional[torch.Tensor] = None,
-             err_scales_scratch: Optional[torch.Tensor] = None, isa: int = -1, rows: int = 0
+             err_scales_scratch: Optional[torch.Tensor] = None, isa: int = -1, rows: int = 0,
+             options: Optional[qz.QuantOptions] = None, key: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused LoCo step of ``g`` (contiguous fp32/bf16 ``[rows, S]``, or 1-D = one row;
     or, with ``rows > 0``, flat ``g`` split into ``rows`` rows of ``ceil(N / rows)``, the
@@ -95,18 +107,43 @@ def compress(g: torch.Tensor, err: Optional[torch.Tensor], err_scales: Optional[
     ``isa`` forces a lower instruction-set copy (0 baseline, 1 AVX2+FMA, 2 AVX-512; tests);
     -1 (and anything the CPU lacks) runs the best one. Needs :func:`extension` to have
     built (callers check it once, up front).
+
+    ``options``: the quantiser options (:class:`.quantize.QuantOptions`; with the Hadamard
+    rotation the error is in the rotated domain, as the reference stores it); ``key``:
+    :func:`.quantize.noise_key` of this step for stochastic rounding.
     """
     empty = torch.empty(0)
     pick = (lambda t: empty if t is None else t)
     one_pass = err is None or err_scratch is not None
+    opts = options or qz.DEFAULT_OPTIONS
+    signs = _signs(block_size, opts)
     return tuple(extension().compress(g.contiguous(), pick(err), pick(err_scales), float(beta), bits, block_size,
                                           not one_pass, pick(err_scratch), pick(err_scales_scratch), float(numel),
-                                          isa, rows))
+                                          isa, rows, int(opts.quantizer == "uniform"), opts.scale == "mse",
+                                          pick(signs), _rot_scale(block_size), opts.rounding == "stochastic",
+                                          int(key)))
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(block_size: int, opts: qz.QuantOptions) -> Optional[torch.Tensor]:
+    """fp32 ``[block_size]`` Hadamard signs of ``opts`` (None without rotation); derived once
+    per (block, options), not per bucket per step. Read-only to the kernels."""
+    return rot.signs(block_size, opts.seed) if opts.rotation == "hadamard" else None
+
+
+def _rot_scale(block_size: int) -> float:
+    """``B ** -0.5`` as the reference's ``mul_`` uses it (torch rounds the Python float to
+    fp32; so does the kernel)."""
+    return block_size ** -0.5
 
 
 def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float = 1.0, isa: int = -1) -> None:
     """``out = scale * sum_r D(recv[r])`` (rank order, fp32 sums) for uint8 ``[W, row_bytes]``
     ``recv``; the contract of :func:`.collectives.decompress_into`, bit-identical to it."""
-    # out.numel() <= layout.shard: a ragged last row writes only its prefix.
+    # out.numel() <= layout.shard: a ragged last row writes only its prefix. With the
+    # Hadamard rotation the sum is unrotated (before the scaling), as the reference does.
+    opts = getattr(layout, "options", None) or qz.DEFAULT_OPTIONS
+    signs = _signs(layout.block_size, opts)
     extension().decompress_sum(recv, layout.code_bytes, out.numel(), layout.bits, layout.block_size, out,
-                               float(scale), isa)
+                               float(scale), isa, torch.empty(0) if signs is None else signs,
+                               _rot_scale(layout.block_size))

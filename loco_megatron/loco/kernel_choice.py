@@ -7,14 +7,20 @@ import importlib.util
 from typing import Callable, Optional, Sequence
 
 
-def resolve_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
-                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
-                    options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None) -> str:
-    """``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``; ValueError (one
-    line, naming the reason) when ``triton``/``cpu`` is asked for and cannot run this shape.
-``options``: the quantiser options in use that differ from the original scheme (as
-flags, :meth:`.quantize.QuantOptions.non_default`); the fused kernels implement none of
-them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them.
+def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
+                   error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
+                   options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None
+                   ) -> tuple[str, Optional[str]]:
+    """``(kernels, why)``: ``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``,
+    and, when a fused path was possible in principle but torch runs (``auto`` on a shape or
+    option the device's kernels cannot serve, or a C++ build that failed), one phrase
+    saying why (else None). ValueError (one line, naming the reason) when ``triton``/``cpu``
+    is asked for and cannot run this configuration.
+
+    ``options``: the quantiser options in use that differ from the original scheme (as
+    flags, :meth:`.quantize.QuantOptions.non_default`). The C++ kernels implement all of
+    them; the Triton kernels none, so ``auto`` on CUDA then picks torch (and says so) and
+    an explicit ``triton`` names them.
 
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
@@ -22,11 +28,7 @@ them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them
     ``announce`` gets one line before the C++ kernels are compiled (first use only).
     """
     if choice == "torch":
-        return "torch"
-    if options:
-        if choice == "auto":
-            return "torch"
-        raise ValueError(f"--loco-kernels {choice} does not implement {', '.join(options)} (use torch or auto)")
+        return "torch", None
     if choice == "cpu" or (choice == "auto" and device_type == "cpu"):
         from loco_megatron.loco import cpu_kernels
 
@@ -35,23 +37,45 @@ them, so ``auto`` then picks torch and an explicit ``cpu``/``triton`` names them
             why = f"needs a CPU device, got {device_type}"
         if why is not None:
             if choice == "auto":
-                return "torch"
+                return "torch", f"--loco-kernels cpu {why}"
             raise ValueError(f"--loco-kernels cpu {why}")
         if announce is not None and cpu_kernels.needs_build():
             announce(cpu_kernels.BUILD_NOTE)
         built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
-        return "cpu" if built is not None else "torch"
+        return ("cpu", None) if built is not None else ("torch", "the C++ CPU kernels could not be built")
     why = None
     if importlib.util.find_spec("triton") is None:
         why = "triton is not installed (pip install -r requirements-triton.txt)"
     elif device_type != "cuda" and not interpret:
         why = "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    elif options:
+        why = f"does not implement {', '.join(options)}"
     elif block_size & (block_size - 1) or block_size < 8 * (8 // bits):
         why = f"needs a power-of-two --loco-block-size, got {block_size}"
     elif error_feedback and error_bits != 8:
         why = f"supports the int8 error buffer only (--loco-error-bits 8), got {error_bits}"
     if choice == "auto":
-        return "triton" if why is None and device_type == "cuda" else "torch"
+        if why is None and device_type == "cuda":
+            return "triton", None
+        return "torch", (f"--loco-kernels triton {why}" if device_type == "cuda" else None)
     if why is not None:
-        raise ValueError(f"--loco-kernels triton {why}")
-    return "triton"
+        raise ValueError(f"--loco-kernels triton {why}" + (" (use torch, cpu or auto)" if options else ""))
+    return "triton", None
+
+
+def resolve_kernels(*args, **kwargs) -> str:
+    """The kernels of :func:`choose_kernels` (same arguments), without the reason."""
+    return choose_kernels(*args, **kwargs)[0]
+
+
+def kernels_line(kernels: str, grads_compressed: bool, param_gather_bits: int, why: Optional[str]) -> str:
+    """The start-up line naming the kernels in use, e.g. ``kernels: grads cpu, params cpu``
+    (``kernels``: the resolved ``--loco-kernels``); ``why`` (from :func:`choose_kernels`)
+    adds why the gradients fell back to torch.
+
+    The parameter gather (``--param-gather-bits``) quantises on the C++ kernels where
+    ``--loco-kernels`` resolved to cpu, else on torch (:class:`.hooks.ParamGatherHook`)."""
+    grads = kernels if grads_compressed else "off (megatron's reduce-scatter)"
+    params = ("cpu" if kernels == "cpu" else "torch") if param_gather_bits else "off (megatron's all-gather)"
+    line = f"kernels: grads {grads}, params {params}"
+    return line + (f"; torch because {why}" if why and grads_compressed else "")

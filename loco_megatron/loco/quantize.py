@@ -34,7 +34,9 @@ defaults are exactly the scheme above:
   (error up to one step);
 * ``mse`` scale: per block, the scale among ``c * s_absmax`` for ``c`` in
   :data:`MSE_CLIP_RATIOS` with the least squared quantisation error (nearest rounding;
-  ties keep the larger ``c``); what clipping loses is carried by the error feedback;
+  searched in units of the absmax scale: ``t = x / s_absmax``, level ``round(t / c)``,
+  error ``(t - q*c)^2`` summed in the fixed order of :func:`tree_sum_`; ties keep the
+  larger ``c``); what clipping loses is carried by the error feedback;
 * ``hadamard`` rotation (:mod:`.rotation`): blocks are rotated before quantising and
   unrotated after dequantising; signs from the shared seed, so no side information;
 * ``stochastic`` rounding: ``q = floor(x / s + u)`` (then clamped) with ``u`` in
@@ -282,19 +284,39 @@ def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.
         base = divide_(blocks.abs().amax(dim=1), top_level(bits, opts))
     if opts.scale == "absmax":
         return base
-    nearest = dataclasses.replace(opts, rounding="nearest")
+    # Searched in units of the base, t = x / base (one division per element, shared by the
+    # candidates): candidate c's nearest level is round(t / c) (as t * fp32(1/c)) and its
+    # error (t - q*c)^2, the block's error over base^2. The product and the difference are
+    # rounded apart and summed in the fixed order of tree_sum_, so every implementation
+    # (the fused kernels too) gets the same bits and picks the same candidate.
+    lo, hi = code_range(bits, opts)
+    t = torch.div(blocks, divisor(base))
     work = torch.empty_like(blocks)
-    best_s = best_err = None
+    one = torch.ones((), dtype=torch.float32, device=blocks.device)
+    best_c = best_err = None
     for c in MSE_CLIP_RATIOS:
-        s = base * c
-        lv = levels_(blocks, s, bits, nearest, out=work)
-        err = torch.addcmul(blocks, lv, s.unsqueeze(1), value=-1.0).square_().sum(dim=1)
-        if best_s is None:
-            best_s, best_err = s, err
+        cf = torch.full((), c, dtype=torch.float32, device=blocks.device)
+        q = torch.mul(t, one / cf, out=work).round_().clamp_(lo, hi)
+        torch.sub(t, q.mul_(cf), out=work).square_()
+        err = tree_sum_(work).clone()
+        if best_c is None:
+            best_c, best_err = torch.full_like(err, c), err
         else:  # strictly better only: ties keep the larger ratio; NaN never wins
             better = err < best_err
-            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
-    return best_s
+            best_c, best_err = torch.where(better, cf, best_c), torch.where(better, err, best_err)
+    return base * best_c
+
+
+def tree_sum_(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim of fp32 ``t`` (``[..., L]``) in a fixed pairwise order, in place:
+    while ``L > 1``, ``m = ceil(L/2)`` and ``t[..., i] += t[..., m + i]`` for ``i < L - m``.
+    Returns the view ``t[..., 0]`` (overwritten by the next use of ``t``)."""
+    n = t.shape[-1]
+    while n > 1:
+        m = (n + 1) // 2
+        t[..., : n - m].add_(t[..., m:n])
+        n = m
+    return t[..., 0]
 
 
 _M32 = 0xFFFFFFFF

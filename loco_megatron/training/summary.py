@@ -13,6 +13,7 @@ import torch
 from loco_megatron.checkpoint import files
 from loco_megatron.config import Config
 from loco_megatron.distributed import ParallelLayout
+from loco_megatron.loco.kernel_choice import kernels_line
 from loco_megatron.training.flops import parameter_count, training_flops_per_token
 
 
@@ -26,9 +27,12 @@ def _grad_buffer_bytes(chunks: list) -> tuple[int, int]:
     return numel, nbytes
 
 
-def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_size: int) -> str:
+def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_size: int,
+                    kernels_why: Optional[str] = None) -> str:
     """Lines describing the run (for rank 0's console); ``chunks`` are this rank's DDP
-    model chunks, so 'this rank' figures are rank 0's."""
+    model chunks, so 'this rank' figures are rank 0's. ``kernels_why``: why the gradients'
+    compression runs on torch where a fused path might have (see
+    :func:`~loco_megatron.loco.kernel_choice.choose_kernels`)."""
     m, p, d, lc = config.model, config.parallel, config.data, config.loco
     total = parameter_count(m, vocab_size)
     here = sum(param.numel() for chunk in chunks for param in chunk.parameters())
@@ -55,6 +59,8 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")
     else:
         lines.append(f"LoCo: off; rank 0 reduce-scatters {raw / 2**20:.2f} MiB of gradients per step")
+    if lc.enabled or lc.param_gather_bits:
+        lines.append(kernels_line(lc.loco_kernels, lc.enabled, lc.param_gather_bits, kernels_why))
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
 from loco_megatron.loco.collectives import TORCH_OPS
-from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks import ParamGatherHook
@@ -55,13 +55,13 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     precheck.check_save_target(precheck.find_resume_dir())  # bad --load/--save: fail before any set-up
 
     platform = detect_platform(env.local_rank)
-    config = _resolve_loco_kernels(config, platform, env)  # may build the C++ kernels (first use)
+    config, kernels_why = _resolve_loco_kernels(config, platform, env)  # may build the C++ kernels
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
                                   env.distributed_timeout_s)
         try:
             return _train(config, env, platform, layout, sources, cache_dir, grad_sync_factory,
-                          param_sync_factory)
+                          param_sync_factory, kernels_why)
         except ConfigError as e:
             # After start-up a file may be bad on some ranks only: each reports, unless the
             # ranks agreed on the error in a collective (then rank 0 prints it once).
@@ -71,12 +71,14 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
             shutdown_distributed()
 
 
-def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) -> Config:
-    """Turn ``--loco-kernels auto`` into torch or triton for this device (one-line error
-    when triton is demanded and cannot run), and fill in the ranks per node."""
+def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) -> tuple[Config, Optional[str]]:
+    """Turn ``--loco-kernels auto`` into torch, cpu or triton for this device (one-line error
+    when a fused path is demanded and cannot run), and fill in the ranks per node. Also
+    returns why torch runs where a fused path might have (None otherwise), for the
+    start-up summary."""
     lc = config.loco
     try:
-        kernels = resolve_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
+        kernels, why = choose_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
                                   lc.loco_block_size, lc.loco_error_bits, lc.loco_error_feedback,
                                   options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
                                                        lc.loco_rounding).non_default() if lc.enabled else (),
@@ -87,7 +89,7 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     if env.world_size % per_node:
         raise ConfigError(f"--loco-ranks-per-node: {per_node} does not divide the world size {env.world_size}")
     return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels,
-                                                                  loco_ranks_per_node=per_node))
+                                                                  loco_ranks_per_node=per_node)), why
 
 
 def _configure_schedules(model_chunks: list, optimizer, after_finalize: Optional[Callable] = None) -> None:
@@ -172,7 +174,8 @@ def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
 
 
 def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
-           cache_dir: str, grad_sync_factory: Callable, param_sync_factory: Callable) -> dict:
+           cache_dir: str, grad_sync_factory: Callable, param_sync_factory: Callable,
+           kernels_why: Optional[str] = None) -> dict:
     d, t = config.data, config.train
     device = platform.device
     vocab = padded_vocab_size(sources.tokenizer.vocab_size, config.parallel.tensor_model_parallel_size)
@@ -234,7 +237,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, env.wandb_offline,
                            wandb_dir=env.wandb_dir, wandb_id_file=wandb_id)
     if layout.is_logging_rank:
-        print(startup_summary(config, layout, chunks, vocab), flush=True)
+        print(startup_summary(config, layout, chunks, vocab, kernels_why), flush=True)
         print(f"{ckpt.start_note} at iteration {state.iteration}", flush=True)
         if schedule.note:
             print(schedule.note, flush=True)

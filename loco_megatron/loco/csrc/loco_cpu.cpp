@@ -1,5 +1,8 @@
 // Fused CPU kernels for LoCo: compress (compensate, block absmax, quantise, pack,
-// residual, error update, int8 re-quantisation) and decompress-and-sum.
+// residual, error update, int8 re-quantisation) and decompress-and-sum, for the original
+// scheme and for every quantiser option (uniform grid, mse scale, Hadamard rotation and,
+// on the receiving side, unrotation, stochastic rounding: quant_options.h and the
+// compress_range_opts path below).
 //
 // Semantics are those of the torch reference (loco_megatron/loco/quantize.py,
 // compressor.py, collectives.py), operation for operation, so codes and scales are
@@ -32,6 +35,8 @@
 #include <limits>
 #include <vector>
 
+#include "quant_options.h"
+
 namespace {
 
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 half to even
@@ -53,6 +58,8 @@ struct CompressArgs {
   float beta, omb;        // beta and (1 - beta), each rounded to fp32 as torch does
   double* partials;       // [num_chunks, 3]
   int isa;                // isa_level() or lower (tests run every copy)
+  bool has_opts;          // quantiser options in use (compress_range_opts)
+  loco_opts::Options opt;
 };
 
 LOCO_INLINE float bf16_to_float(uint16_t v) {
@@ -62,10 +69,9 @@ LOCO_INLINE float bf16_to_float(uint16_t v) {
   return f;
 }
 
-// g of block b as fp32 (zero past the row's end) and h = e*s + g (two roundings, as
-// torch.mul(...).add_(g)). Returns the number of valid elements.
-template <typename T, bool HAS_ERR>
-LOCO_INLINE void load_h(const CompressArgs& a, int64_t b, float* gb, float* h) {
+// g of block b as fp32 into gb (zero past the row's end).
+template <typename T>
+LOCO_INLINE void load_g(const CompressArgs& a, int64_t b, float* gb) {
   const int64_t bpr = a.P / a.B;
   const int64_t row = b / bpr, col0 = (b % bpr) * a.B;
   // A ragged last row (a bucket that does not divide by the rows) ends at a.total.
@@ -82,6 +88,12 @@ LOCO_INLINE void load_h(const CompressArgs& a, int64_t b, float* gb, float* h) {
     for (int64_t i = 0; i < valid; ++i) gb[i] = bf16_to_float(s16[i]);
   }
   for (int64_t i = valid; i < B; ++i) gb[i] = 0.0f;
+}
+
+// h = e*s + gb (two roundings, as torch.mul(...).add_(g)), or gb without error feedback.
+template <bool HAS_ERR>
+LOCO_INLINE void add_err(const CompressArgs& a, int64_t b, const float* gb, float* h) {
+  const int B = static_cast<int>(a.B);
   if constexpr (HAS_ERR) {
     const int8_t* e = a.err + b * a.B;
     const float es = a.err_s[b];
@@ -93,16 +105,16 @@ LOCO_INLINE void load_h(const CompressArgs& a, int64_t b, float* gb, float* h) {
   }
 }
 
+template <typename T, bool HAS_ERR>
+LOCO_INLINE void load_h(const CompressArgs& a, int64_t b, float* gb, float* h) {
+  load_g<T>(a, b, gb);
+  add_err<HAS_ERR>(a, b, gb, h);
+}
+
 // max|x| / qmax, NaN-propagating like torch.amax.
 LOCO_INLINE float block_scale(const float* x, int B, float qmax) {
-  float m = 0.0f;
-  int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-  for (int i = 0; i < B; ++i) {
-    const float v = std::fabs(x[i]);
-    m = v > m ? v : m;
-    nan |= (v != v);
-  }
+  bool nan;
+  const float m = loco_opts::max_abs(x, B, &nan);
   return nan ? std::numeric_limits<float>::quiet_NaN() : m / qmax;
 }
 
@@ -128,6 +140,45 @@ LOCO_INLINE void pack(const float* q, uint8_t* out, int B) {
     int byte = 0;
     for (int p = 0; p < K; ++p) byte |= (static_cast<int>(q[p * BK + j]) + OFF) << (p * BITS);
     out[j] = static_cast<uint8_t>(byte);
+  }
+}
+
+// The rest of a block's step, shared by both paths: pack the levels q, the residual
+// r = h - q*s and, with error feedback, e' = e*beta + r*(1 - beta) from the old error in e
+// (overwritten with e'), re-quantised to int8 into err_out. Adds to the metric sums.
+template <bool HAS_ERR, int BITS>
+LOCO_INLINE void finish_block(const CompressArgs& a, int64_t b, const float* h, float* q, float s, float* r,
+                              float* e, double& e2, double& r2, double& h2) {
+  const int B = static_cast<int>(a.B);
+  pack<BITS>(q, a.codes + b * (a.B * BITS / 8), B);
+  float rs = 0.0f, hs = 0.0f;
+#pragma omp simd reduction(+ : rs, hs)
+  for (int i = 0; i < B; ++i) {
+    r[i] = std::fma(-q[i], s, h[i]);  // h - q*s, one rounding (torch.addcmul)
+    rs += r[i] * r[i];
+    hs += h[i] * h[i];
+  }
+  r2 += rs;
+  h2 += hs;
+  if constexpr (HAS_ERR) {
+    // The reference's mul_(beta) and add_(resid, alpha=1 - beta), whose kernel fuses the
+    // last multiply-add (one rounding).
+    float es = 0.0f;
+#pragma omp simd reduction(+ : es)
+    for (int i = 0; i < B; ++i) {
+      const float ne = std::fma(r[i], a.omb, e[i] * a.beta);
+      e[i] = ne;
+      es += ne * ne;
+    }
+    e2 += es;
+    if (a.err_out != nullptr) {
+      const float s8 = block_scale(e, B, 127.0f);
+      round_codes(e, s8, 127.0f, q, B);
+      int8_t* dst = a.err_out + b * a.B;
+#pragma omp simd
+      for (int i = 0; i < B; ++i) dst[i] = static_cast<int8_t>(q[i]);
+      a.err_s_out[b] = s8;
+    }
   }
 }
 
@@ -160,36 +211,76 @@ LOCO_INLINE void compress_range(const CompressArgs& a, int64_t b0, int64_t b1, d
     const float s = SCALES_KNOWN ? a.scales[b] : block_scale(h, B, qmax);
     if (!SCALES_KNOWN) a.scales[b] = s;
     round_codes(h, s, qmax, q, B);
-    pack<BITS>(q, a.codes + b * (a.B * BITS / 8), B);
-    float rs = 0.0f, hs = 0.0f;
-#pragma omp simd reduction(+ : rs, hs)
-    for (int i = 0; i < B; ++i) {
-      r[i] = std::fma(-q[i], s, h[i]);  // h - q*s, one rounding (torch.addcmul)
-      rs += r[i] * r[i];
-      hs += h[i] * h[i];
-    }
-    r2 += rs;
-    h2 += hs;
     if constexpr (HAS_ERR) {
-      // e' = (h - g)*beta + resid*(1 - beta): the reference's sub_, mul_ and add_(alpha),
-      // whose kernel fuses the last multiply-add (one rounding).
-      float es = 0.0f;
-#pragma omp simd reduction(+ : es)
-      for (int i = 0; i < B; ++i) {
-        const float ne = std::fma(r[i], a.omb, (h[i] - gb[i]) * a.beta);
-        gb[i] = ne;
-        es += ne * ne;
-      }
-      e2 += es;
-      if (a.err_out != nullptr) {
-        const float s8 = block_scale(gb, B, 127.0f);
-        round_codes(gb, s8, 127.0f, q, B);
-        int8_t* dst = a.err_out + b * a.B;
 #pragma omp simd
-        for (int i = 0; i < B; ++i) dst[i] = static_cast<int8_t>(q[i]);
-        a.err_s_out[b] = s8;
+      for (int i = 0; i < B; ++i) gb[i] = h[i] - gb[i];  // the old error e = h - g
+    }
+    finish_block<HAS_ERR, BITS>(a, b, h, q, s, r, gb, e2, r2, h2);
+  }
+  part[0] += e2;
+  part[1] += r2;
+  part[2] += h2;
+}
+
+// ------------------------------------------------ quantiser options (quant_options.h)
+// h of block b in the options' domain: gb = R(g) with the rotation (the reference rotates
+// the zero-padded g, then adds the stored, rotated error), h = e*s + gb.
+template <typename T, bool HAS_ERR>
+LOCO_INLINE void load_h_opts(const CompressArgs& a, int64_t b, float* gb, float* h) {
+  load_g<T>(a, b, gb);
+  if (a.opt.signs != nullptr) loco_opts::rotate(gb, a.opt, static_cast<int>(a.B));
+  add_err<HAS_ERR>(a, b, gb, h);
+}
+
+template <typename T, bool HAS_ERR, int BITS>
+LOCO_INLINE void scales_range_opts(const CompressArgs& a, int64_t b0, int64_t b1) {
+  alignas(64) float gb[kMaxBlock];
+  alignas(64) float h[kMaxBlock];
+  alignas(64) float t[kMaxBlock];
+  const int B = static_cast<int>(a.B);
+  for (int64_t b = b0; b < b1; ++b) {
+    load_h_opts<T, HAS_ERR>(a, b, gb, h);
+    a.scales[b] = loco_opts::option_scale(h, a.opt, BITS, gb, t, B);
+  }
+}
+
+// compress_range with quantiser options: the reference's LoCoCompressor.compress with
+// options (quantize.option_scales / levels_), operation for operation.
+template <typename T, bool HAS_ERR, int BITS>
+LOCO_INLINE void compress_range_opts(const CompressArgs& a, int64_t b0, int64_t b1, double* part,
+                                     bool scales_known) {
+  alignas(64) float gb[kMaxBlock];
+  alignas(64) float h[kMaxBlock];
+  alignas(64) float q[kMaxBlock];
+  alignas(64) float r[kMaxBlock];
+  const int B = static_cast<int>(a.B);
+  const float lo = a.opt.uniform ? -static_cast<float>(1 << (BITS - 1)) : -static_cast<float>((1 << (BITS - 1)) - 1);
+  const float hi = static_cast<float>((1 << (BITS - 1)) - 1);
+  double e2 = 0.0, r2 = 0.0, h2 = 0.0;
+  for (int64_t b = b0; b < b1; ++b) {
+    load_h_opts<T, HAS_ERR>(a, b, gb, h);
+    float s;
+    if (scales_known) s = a.scales[b];
+    else {
+      s = loco_opts::option_scale(h, a.opt, BITS, q, r, B);  // q, r: scratch here
+      a.scales[b] = s;
+    }
+    if (a.opt.stochastic) loco_opts::stochastic_levels(h, s, lo, hi, a.opt.key, b * a.B, q, B);
+    else loco_opts::nearest_levels(h, s, lo, hi, q, B);
+    if constexpr (HAS_ERR) {
+      // The old error e: h - g without rotation, as compress_range; with it the reference
+      // re-reads e (e*s + 0; h - R(g) would round differently).
+      if (a.opt.signs != nullptr) {
+        const int8_t* e = a.err + b * a.B;
+        const float es = a.err_s[b];
+#pragma omp simd
+        for (int i = 0; i < B; ++i) gb[i] = static_cast<float>(e[i]) * es + 0.0f;
+      } else {
+#pragma omp simd
+        for (int i = 0; i < B; ++i) gb[i] = h[i] - gb[i];
       }
     }
+    finish_block<HAS_ERR, BITS>(a, b, h, q, s, r, gb, e2, r2, h2);
   }
   part[0] += e2;
   part[1] += r2;
@@ -217,21 +308,30 @@ int isa_level() { return 0; }
 // One instantiation per ISA: `flatten` inlines every helper into the target-specific body.
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 LOCO_AVX512 void run_chunk_avx512(const CompressArgs& a, int64_t b0, int64_t b1, double* part, bool scales_only) {
-  if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
+  if (a.has_opts) {
+    if (scales_only) scales_range_opts<T, HAS_ERR, BITS>(a, b0, b1);
+    else compress_range_opts<T, HAS_ERR, BITS>(a, b0, b1, part, SK);
+  } else if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
   else compress_range<T, HAS_ERR, BITS, SK>(a, b0, b1, part);
 }
 
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 LOCO_AVX2 void run_chunk_avx2(const CompressArgs& a, int64_t b0, int64_t b1,
                                                                  double* part, bool scales_only) {
-  if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
+  if (a.has_opts) {
+    if (scales_only) scales_range_opts<T, HAS_ERR, BITS>(a, b0, b1);
+    else compress_range_opts<T, HAS_ERR, BITS>(a, b0, b1, part, SK);
+  } else if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
   else compress_range<T, HAS_ERR, BITS, SK>(a, b0, b1, part);
 }
 
 template <typename T, bool HAS_ERR, int BITS, bool SK>
 __attribute__((flatten)) void run_chunk_base(const CompressArgs& a, int64_t b0, int64_t b1, double* part,
                                              bool scales_only) {
-  if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
+  if (a.has_opts) {
+    if (scales_only) scales_range_opts<T, HAS_ERR, BITS>(a, b0, b1);
+    else compress_range_opts<T, HAS_ERR, BITS>(a, b0, b1, part, SK);
+  } else if (scales_only) scales_range<T, HAS_ERR, BITS>(a, b0, b1);
   else compress_range<T, HAS_ERR, BITS, SK>(a, b0, b1, part);
 }
 
@@ -299,7 +399,9 @@ int pick_isa(int64_t requested) {
 std::vector<at::Tensor> compress(const at::Tensor& g, const at::Tensor& err, const at::Tensor& err_scales,
                                  double beta, int64_t bits, int64_t block_size, bool two_pass,
                                  const at::Tensor& err_scratch, const at::Tensor& err_s_scratch,
-                                 double numel_stat, int64_t isa, int64_t rows_arg) {
+                                 double numel_stat, int64_t isa, int64_t rows_arg, int64_t quantizer,
+                                 bool mse, const at::Tensor& signs, double rot_scale, bool stochastic,
+                                 int64_t key) {
   TORCH_CHECK(g.device().is_cpu() && g.is_contiguous(), "g must be a contiguous CPU tensor");
   TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16, "g must be fp32 or bf16");
   TORCH_CHECK(g.dim() == 1 || g.dim() == 2, "g must be 1-D or 2-D");
@@ -328,7 +430,16 @@ std::vector<at::Tensor> compress(const at::Tensor& g, const at::Tensor& err, con
                  has_err ? err.data_ptr<int8_t>() : nullptr,
                  has_err ? err_scales.data_ptr<float>() : nullptr,
                  nullptr, nullptr, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                 static_cast<float>(beta), static_cast<float>(1.0 - beta), partials.data(), pick_isa(isa)};
+                 static_cast<float>(beta), static_cast<float>(1.0 - beta), partials.data(), pick_isa(isa),
+                 false, loco_opts::Options{quantizer == 1, mse, nullptr, static_cast<float>(rot_scale), stochastic,
+                                           static_cast<uint32_t>(key)}};
+  if (signs.defined() && signs.numel() > 0) {
+    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.numel() == block_size && signs.is_contiguous(),
+                "signs must be contiguous fp32 with ", block_size, " elements");
+    TORCH_CHECK((block_size & (block_size - 1)) == 0, "the Hadamard rotation needs a power-of-two block size");
+    a.opt.signs = signs.data_ptr<float>();
+  }
+  a.has_opts = a.opt.uniform || a.opt.mse || a.opt.signs != nullptr || a.opt.stochastic;
   const bool bf16 = g.scalar_type() == at::kBFloat16;
   bool finite;
   if (two_pass) {
@@ -375,6 +486,8 @@ struct DecompArgs {
   bool apply_scale;
   void* out;
   int isa;
+  const float* signs;  // Hadamard signs [B]: unrotate the sum (null: no rotation)
+  float rot_scale;
 };
 
 template <typename OUT, int BITS>
@@ -405,6 +518,8 @@ LOCO_INLINE void decomp_range(const DecompArgs& a, int64_t b0, int64_t b1) {
     }
     const int64_t valid = std::min<int64_t>(a.B, a.shard - b * a.B);
     OUT* out = static_cast<OUT*>(a.out) + b * a.B;
+    // The rotation is linear: the reference unrotates the sum once, before the scaling.
+    if (a.signs != nullptr) loco_opts::unrotate(acc, a.signs, a.rot_scale, B);
     if (a.apply_scale) {
 #pragma omp simd
       for (int i = 0; i < B; ++i) acc[i] *= a.scale;
@@ -453,14 +568,21 @@ void decomp_bits(const DecompArgs& a, int64_t nb, int64_t bits) {
 
 // out (shard elements, fp32/bf16/fp16) = scale * sum over r in rank order of D(recv[r]).
 void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, int64_t bits, int64_t block_size,
-                    at::Tensor out, double scale, int64_t isa) {
+                    at::Tensor out, double scale, int64_t isa, const at::Tensor& signs, double rot_scale) {
   TORCH_CHECK(recv.device().is_cpu() && recv.is_contiguous() && recv.scalar_type() == at::kByte && recv.dim() == 2,
               "recv must be contiguous uint8 [W, row_bytes] on CPU");
   TORCH_CHECK(out.is_contiguous() && out.numel() == shard, "out must be contiguous with ", shard, " elements");
   TORCH_CHECK(block_size > 0 && block_size % 8 == 0 && block_size <= kMaxBlock, "unsupported block_size");
   const int64_t nb = (shard + block_size - 1) / block_size;
   DecompArgs a{recv.data_ptr<uint8_t>(), recv.size(0), recv.size(1), code_bytes, shard, block_size,
-               static_cast<float>(scale), scale != 1.0, out.data_ptr(), pick_isa(isa)};
+               static_cast<float>(scale), scale != 1.0, out.data_ptr(), pick_isa(isa), nullptr,
+               static_cast<float>(rot_scale)};
+  if (signs.defined() && signs.numel() > 0) {
+    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.numel() == block_size && signs.is_contiguous() &&
+                    (block_size & (block_size - 1)) == 0,
+                "signs must be contiguous fp32 with ", block_size, " elements (a power of two)");
+    a.signs = signs.data_ptr<float>();
+  }
   switch (out.scalar_type()) {
     case at::kFloat: decomp_bits<float>(a, nb, bits); break;
     case at::kBFloat16: decomp_bits<c10::BFloat16>(a, nb, bits); break;
