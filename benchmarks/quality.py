@@ -8,7 +8,7 @@ two, the parameter all-gather) differs:
     fp32          megatron's fp32 reduce-scatter (the reference)
     loco4, loco2  LoCo (moving-average error feedback, beta 0.8)
     ef4, ef2      classic error feedback (--loco-beta 0)
-    noef4, noef2  plain low-bit quantisation (--loco-no-error-feedback)
+    noef4, noef2  plain low-bit quantisation (--no-loco-error-feedback)
     loco4p8       LoCo 4-bit + 8-bit parameter differences (--param-gather-bits 8)
     loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
     loco2p2       LoCo 2-bit + 2-bit parameter differences (--param-gather-bits 2, with the
@@ -71,8 +71,8 @@ VARIANTS = {
     "loco2d": ("LoCo 2-bit (default options)", ["--loco-bits", "2"]),
     "ef4": ("error feedback 4-bit (beta 0)", ["--loco-bits", "4", "--loco-beta", "0"]),
     "ef2": ("error feedback 2-bit (beta 0)", ["--loco-bits", "2", "--loco-beta", "0", *_options("")[1]]),
-    "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--loco-no-error-feedback"]),
-    "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--loco-no-error-feedback", *_options("")[1]]),
+    "noef4": ("4-bit, no error feedback", ["--loco-bits", "4", "--no-loco-error-feedback"]),
+    "noef2": ("2-bit, no error feedback", ["--loco-bits", "2", "--no-loco-error-feedback", *_options("")[1]]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
     # Both at 2 bits: the parameter gather shares the gradients' (default 2-bit) options.
@@ -82,7 +82,7 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
     _suffix, _flags = _options(_letters)
     VARIANTS[f"loco2-{_letters}"] = (f"LoCo 2-bit{_suffix}", ["--loco-bits", "2", *_flags])
     VARIANTS[f"noef2-{_letters}"] = (f"2-bit, no error feedback{_suffix}",
-                                     ["--loco-bits", "2", "--loco-no-error-feedback", *_flags])
+                                     ["--loco-bits", "2", "--no-loco-error-feedback", *_flags])
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)]}
 """Names ``--variants`` expands (each a list of variants)."""

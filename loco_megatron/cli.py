@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import os
 import pathlib
@@ -17,11 +18,12 @@ import sys
 import textwrap
 import time
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
 from loco_megatron.config import ALTERNATIVES, Config, ConfigError
+from loco_megatron.config.base import RENAMED
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_gpt.yaml"
@@ -113,12 +115,48 @@ class _OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise ConfigError(message)
 
+    def parse_args(self, args=None, namespace=None):
+        """An unknown flag is named in one line with the closest known one (a typo), not
+        argparse's "unrecognized arguments: ..." list."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = next((u.split("=", 1)[0] for u in unknown if u.startswith("-")), None)
+            if flag is None:
+                raise ConfigError(f"unexpected argument {unknown[0]!r} (flags start with --)")
+            raise ConfigError(f"unknown flag {flag}{_did_you_mean(flag, _known_flags())}")
+        return parsed
+
+
+def _did_you_mean(word: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``known`` to a mistyped ``word``, or ""."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _known_flags() -> list[str]:
+    """Every current flag (deprecated spellings left out, so they are never suggested)."""
+    flags = ["--config", "--help"]
+    for cls in _sections().values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            flags += [flag, "--no-" + flag[2:]] if _scalar_type(hints[f.name]) is bool else [flag]
+    return flags
+
+
+def metavar_of(field: dataclasses.Field, typ: type) -> str:
+    """``{0,2,4,8}`` for a field with choices (:func:`loco_megatron.config.base.choice`), else
+    the type's name (``INT``)."""
+    choices = field.metadata.get("choices")
+    return "{" + ",".join(str(c) for c in choices) + "}" if choices else typ.__name__.upper()
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(
         prog="pretrain_gpt.py",
         description="Megatron-Core GPT/MoE pretraining with LoCo low-bit gradient communication.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # --loco-bit must not silently mean --loco-bits (Megatron-LM's choice too)
     )
     parser.add_argument("--config", help=f"YAML file of flag: value pairs (default {DEFAULT_CONFIG.name})")
     launch = parser.add_argument_group("launch (not run settings: never read from --config)")
@@ -135,12 +173,40 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             typ = _scalar_type(hints[f.name])
-            help_ = f"{docs.get(f.name, '')} (default: {f.default})"
+            help_ = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
             if typ is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
             else:
-                group.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_)
+                # Choices are shown, not enforced here: the dataclass check gives the one-line error.
+                group.add_argument(flag, dest=f.name, type=typ, metavar=metavar_of(f, typ), help=help_)
+    for old in RENAMED:  # deprecated spellings: accepted, hidden from --help
+        parser.add_argument("--" + old.replace("_", "-"), dest=old, action=argparse.BooleanOptionalAction,
+                            help=argparse.SUPPRESS)
     return parser
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _renamed(values: dict[str, Any], config_file: Optional[str] = None,
+             note: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """``values`` with deprecated options (:data:`RENAMED`) turned into their replacements,
+    which hold the opposite value; a replacement given too wins. ``note`` (None: silent, for
+    saved run configs) gets one line per deprecated flag, or key of ``config_file``."""
+    out = dict(values)
+    for old, (new, flag_off, flag_on) in RENAMED.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if note is not None and config_file is None:
+            spelled = ("--" if value else "--no-") + old.replace("_", "-")
+            note(f"pretrain_gpt.py: note: {spelled} is deprecated; use {flag_off if value else flag_on}")
+        elif note is not None:
+            note(f"pretrain_gpt.py: note: {config_file}: key {old.replace('_', '-')} is deprecated; "
+                 f"use {new.replace('_', '-')}: {str(not value).lower()}")
+        out.setdefault(new, not value if isinstance(value, bool) else value)
+    return out
 
 
 def _all_keys() -> dict[str, str]:
@@ -148,7 +214,9 @@ def _all_keys() -> dict[str, str]:
     return {f.name: section for section, cls in _sections().items() for f in dataclasses.fields(cls)}
 
 
-def load_yaml_config(path: str) -> dict[str, Any]:
+def load_yaml_config(path: str, note: Callable[[str], None] = _stderr_line) -> dict[str, Any]:
+    """{flag_name: value} of a --config file; ConfigError for an unknown key (naming the
+    closest known one); deprecated keys are renamed, with one ``note`` line each."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: {path} does not exist")
@@ -162,10 +230,11 @@ def load_yaml_config(path: str) -> dict[str, Any]:
     out = {}
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"--config: unknown key '{key}' in {path}")
+        if name not in known and name not in RENAMED:
+            hint = _did_you_mean(name.replace("_", "-"), [k.replace("_", "-") for k in known])
+            raise ConfigError(f"--config: unknown key '{key}' in {path}{hint}")
         out[name] = value
-    return out
+    return _renamed(out, path, note)
 
 
 def make_config(values: dict[str, Any], command_line: Sequence[str] = ()) -> Config:
@@ -173,7 +242,7 @@ def make_config(values: dict[str, Any], command_line: Sequence[str] = ()) -> Con
     those given on the command line (see ``Config.command_line``)."""
     known = _all_keys()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in _sections()}
-    for name, value in values.items():
+    for name, value in _renamed(values).items():  # a run config saved before a rename still loads
         if name not in known:
             raise ConfigError(f"unknown option '{name}'")
         per_section[known[name]][name] = value
@@ -193,17 +262,18 @@ def make_config(values: dict[str, Any], command_line: Sequence[str] = ()) -> Con
     return Config(**sections, command_line=tuple(sorted(command_line)))
 
 
-def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
-    """Flags (and the config file they name) -> validated Config. Raises ConfigError."""
-    return _parse(argv)[0]
+def parse_config(argv: Optional[Sequence[str]] = None, note: Callable[[str], None] = _stderr_line) -> Config:
+    """Flags (and the config file they name) -> validated Config. Raises ConfigError.
+    ``note`` prints the one-line notes on deprecated flags and keys."""
+    return _parse(argv, note)[0]
 
 
-def _parse(argv: Optional[Sequence[str]]) -> tuple[Config, dict[str, Any]]:
+def _parse(argv: Optional[Sequence[str]], note: Callable[[str], None] = _stderr_line) -> tuple[Config, dict[str, Any]]:
     """(validated Config, the launch options given: ``dry_run``, ``world_size``)."""
-    args = vars(build_parser().parse_args(argv))
+    args = _renamed(vars(build_parser().parse_args(argv)), note=note)
     launch = {k: args.pop(k) for k in ("dry_run", "world_size") if k in args}
     config_path = args.pop("config", str(DEFAULT_CONFIG))
-    values = load_yaml_config(config_path)
+    values = load_yaml_config(config_path, note)
     for name, (other, off) in ALTERNATIVES.items():
         if name in args and other not in args:
             values[other] = off
@@ -232,9 +302,10 @@ def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv
 
 def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv, Optional[int]]:
     """(config, environment, the world size to dry-run or None for a real start); exit(2)
-    with one line naming the problem."""
+    with one line naming the problem. Deprecation notes are printed by rank 0 only."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        config, launch = _parse(argv)
+        config, launch = _parse(argv, _stderr_line if rank == 0 else (lambda line: None))
         env = LaunchEnv.from_environ()
         if not launch.get("dry_run"):
             if "world_size" in launch:
@@ -245,5 +316,5 @@ def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, Launc
             raise ConfigError(f"--world-size: {world} must be >= 1")
         return config, env, world
     except ConfigError as e:
-        report_error(e, int(os.environ.get("RANK", "0")))
+        report_error(e, rank)
         raise SystemExit(2)

@@ -94,7 +94,7 @@ def test_resume_across_a_change_of_loco_settings(cache_dir, tmp_path):
     ck = str(tmp_path / "ck")
     args = TINY + ["--train-iters", "4", "--lr-decay-iters", "4", "--loco-bits", "4"]
     torchrun(2, args + ["--train-iters", "2", "--save", ck], cache_dir, tmp_path, name="first")
-    for name, extra in {"noef": ["--loco-no-error-feedback"], "bits2": ["--loco-bits", "2"]}.items():
+    for name, extra in {"noef": ["--no-loco-error-feedback"], "bits2": ["--loco-bits", "2"]}.items():
         proc, metrics = torchrun(2, args + ["--load", ck, *extra], cache_dir, tmp_path, name=name)
         assert proc.stdout.count("starting the error buffers at zero") == 1, proc.stdout
         assert sorted(train_losses(metrics)) == [3, 4]

@@ -194,7 +194,7 @@ def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatc
     scales, error and sums are bit-identical), and against a missing compiler stopping
     training: with CXX pointing nowhere and an empty extensions cache each rank prints the
     fallback line once, the start-up line says torch runs and why, and it trains on the
-    torch path."""
+    torch path; rank 0 announces the (first-use) build before trying it."""
     args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
     _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
     _, fused = torchrun(2, args + ["--loco-kernels", "cpu"], cache_dir, tmp_path, name="cpu")
@@ -204,6 +204,7 @@ def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatc
     proc, fallback = torchrun(2, args + ["--loco-kernels", "cpu"], cache_dir, tmp_path, name="fallback")
     both = proc.stdout + proc.stderr
     assert both.count("loco: the C++ CPU kernels could not be built") == 2  # one per rank
+    assert proc.stdout.count("building LoCo's C++ CPU kernels (first use only") == 1  # rank 0, before the try
     assert proc.stdout.count("kernels: grads torch, params off (megatron's all-gather); torch because the C++ "
                              "CPU kernels could not be built") == 1  # rank 0's start-up line
     assert train_losses(fallback) == train_losses(ref)

@@ -141,14 +141,19 @@ def test_exported_tokenizer_encodes_like_sentencepiece(work, dense):
         assert tok.decode(ids) == sp.decode(ids), text[:60]
 
 
-def test_moe_ep2_checkpoint_exports_to_mixtral_with_the_same_logits(work):
+@pytest.fixture(scope="module")
+def moe(work) -> pathlib.Path:
+    """An EP 2 MoE checkpoint (tied embeddings) and its saving layout's logits (tests/export_fixture.py)."""
+    return _checkpoint(work, "moe", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+                                     "--expert-model-parallel-size", "2", "--no-untie-embeddings-and-output-weights"])
+
+
+def test_moe_ep2_checkpoint_exports_to_mixtral_with_the_same_logits(work, moe):
     """Guards against experts of an EP 2 checkpoint not reassembled or renumbered, the router
     mapped to the wrong tensor, a routing normalisation that differs from megatron's
     (top-k of the logits then softmax over those k = Mixtral's softmax, top-k, renormalise),
     gate/up of each expert swapped, and tied embeddings exported as an output layer."""
-    ckpt = _checkpoint(work, "moe", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
-                                     "--expert-model-parallel-size", "2",
-                                     "--no-untie-embeddings-and-output-weights"])
+    ckpt = moe
     proc = _export(work, ckpt / "ckpt" / "iter_0000001", work / "moe_hf")  # an iter_N folder, not the root
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved as TP 1 x PP 1 x EP 2" in proc.stdout
@@ -315,3 +320,55 @@ def test_export_takes_special_ids_from_the_tokenizer_and_generate_stops_at_eos(t
     prompt = tok("def f(x):", return_tensors="pt")["input_ids"]
     generated = model.generate(prompt, max_new_tokens=5, do_sample=False)
     assert generated[0, prompt.shape[1]:].tolist() == [3], generated  # </s>, then it stops
+
+
+def test_generate_from_any_layout_is_deterministic_and_stops_at_eod(work, dense, moe):
+    """Guards against tools/generate.py producing text from a model that is not the saved one
+    (one-rank reassembly of a PP 2 trained or an EP 2 MoE checkpoint), greedy decoding that
+    varies between calls, sampling that ignores its seed, generation running past the
+    end-of-document token, and a bad --load giving a traceback instead of one line."""
+    from loco_megatron.export.reader import embedding_rows, loaded_model, read_run_config, single_rank_config
+    from loco_megatron.generation import Sampling, generate, generate_ids
+
+    prompt = "def main():"
+    proc = _run([sys.executable, "tools/generate.py", "--load", str(dense / "ckpt"), "--prompt", prompt,
+                 "--max-new-tokens", "6"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout[:-1]  # print's newline
+    assert text.startswith(prompt) and len(text) > len(prompt), text
+    again = generate(str(dense / "ckpt"), prompt, Sampling(max_new_tokens=6))
+    assert prompt + again.text == text  # greedy: the same text in another process
+    assert len(again.new_ids) == 6 or again.stopped_at_eod
+
+    path = moe / "ckpt" / "iter_0000001"
+    config = single_rank_config(read_run_config(path))
+    rows, ddp_prefix = embedding_rows(path)
+    ref = torch.load(moe / "reference.pt")
+    vocab = ref["logits"].shape[-1]
+    with loaded_model(path, config, rows, ddp_prefix) as (model, _):
+        tokens = ref["tokens"]
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)[..., :vocab]
+        # The one-rank model computes the EP 2 layout's logits: it is the saved model.
+        assert (logits - ref["logits"]).abs().max() <= 1e-4 * ref["logits"].abs().max()
+        prompt_ids = tokens[0, :8].tolist()
+
+        def run(eod, **kw):
+            return generate_ids(model, prompt_ids, eod, vocab, config.model.seq_length, Sampling(**kw))
+
+        greedy, at_eod = run(eod=-1, max_new_tokens=4)
+        assert len(greedy) == 4 and not at_eod
+        assert run(eod=-1, max_new_tokens=4) == (greedy, False)
+        # The end-of-document id ends generation where the model produces it, and is not returned.
+        assert run(eod=greedy[0], max_new_tokens=4) == ([], True)
+        second = next((i for i, t in enumerate(greedy) if t != greedy[0]), None)
+        if second is not None:
+            assert run(eod=greedy[second], max_new_tokens=4) == (greedy[:second], True)
+        # A nucleus holding only the top token is greedy; a sample repeats with its seed.
+        assert run(eod=-1, max_new_tokens=4, top_p=1e-9) == (greedy, False)
+        sampled = run(eod=-1, max_new_tokens=4, top_p=0.9, temperature=1.5, seed=3)
+        assert run(eod=-1, max_new_tokens=4, top_p=0.9, temperature=1.5, seed=3) == sampled
+
+    bad = _run([sys.executable, "tools/generate.py", "--load", str(work / "nowhere"), "--prompt", "x"])
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"generate.py: error: --load: {work / 'nowhere'} does not exist"], bad.stderr[-2000:]

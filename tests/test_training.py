@@ -57,15 +57,32 @@ def test_tp2_matches_tp1(cache_dir, tmp_path):
 
 def test_resume_with_loco_is_bit_exact(cache_dir, tmp_path):
     """Guards against any state (model, distributed-optimizer shards, Adam step, LR,
-    RNG, data position, LoCo error buffers and reset counter) missing from checkpoints."""
+    RNG, data position, LoCo error buffers and reset counter) missing from checkpoints;
+    and against the end-of-run summary (console block, ``summary/...`` record) miscounting
+    iterations, tokens or bytes, naming the wrong checkpoint, or missing the checkpoint-load
+    start-up line."""
     args = TINY + ["--train-iters", "8", "--lr-decay-iters", "8", "--loco-bits", "4",
                    "--loco-reset-interval", "3"]
     ck = tmp_path / "ck"
     # The uninterrupted run writes the checkpoint it is compared with (one run fewer).
-    _, full = torchrun(2, args + ["--save", str(ck), "--save-interval", "4"], cache_dir, tmp_path, name="full")
+    proc, full = torchrun(2, args + ["--save", str(ck), "--save-interval", "4"], cache_dir, tmp_path, name="full")
+    summary = proc.stdout[proc.stdout.index("run summary: "):].splitlines()
+    assert summary[0].startswith("run summary: 8 iterations this run, now at iteration 8; 4,096 tokens "), summary
+    assert summary[-1] == f"  last checkpoint: {ck / 'iter_0000008'}", summary
+    record = full[-1]
+    assert record["summary/iteration"] == 8 and record["summary/train_loss"] == train_losses(full)[8]
+    # Every rank's bytes of every step (log interval 1: each record is one step, mean over 2 ranks).
+    for key in ("grad_bytes_sent", "grad_bytes_uncompressed"):
+        assert record[f"summary/{key}"] == pytest.approx(2 * sum(m[f"comm/{key}"] for m in full if f"comm/{key}" in m))
+    ratio = record["summary/grad_bytes_sent"] / record["summary/grad_bytes_uncompressed"]
+    assert 4.125 / 32 <= ratio <= 4.125 / 32 * 1.05
+    assert f"(x{ratio:.3f}), all 2 ranks together" in proc.stdout
     (ck / "latest_checkpointed_iteration.txt").write_text("4\n")  # resume from iteration 4
     proc, resumed = torchrun(2, args + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
-    assert "resuming from" in proc.stdout
+    assert proc.stdout.index(f"loading checkpoint {ck / 'iter_0000004'}\n") < proc.stdout.index("resuming from")
+    assert "run summary: 4 iterations this run, now at iteration 8 (resumed at 4); 2,048 tokens (4,096 in all)" \
+        in proc.stdout
+    assert "  last checkpoint: none saved (no --save)" in proc.stdout
     a, b = train_losses(full), train_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     assert all(a[it] == b[it] for it in b), (a, b)
@@ -123,7 +140,7 @@ def test_loco_quality_on_tiny_default(cache_dir, tmp_path):
     final = {}
     original = ["--loco-quantizer", "symmetric", "--loco-scale", "absmax", "--loco-rotation", "none"]
     for name, extra in {"fp": [], "loco4": ["--loco-bits", "4"], "loco2": ["--loco-bits", "2", *original],
-                        "noef2": ["--loco-bits", "2", "--loco-no-error-feedback", *original]}.items():
+                        "noef2": ["--loco-bits", "2", "--no-loco-error-feedback", *original]}.items():
         _, metrics = torchrun(2, args + extra, cache_dir, tmp_path, name=name)
         final[name] = [m["eval/lm_loss"] for m in metrics if "eval/lm_loss" in m][-1]
     print("final eval loss:", final)

@@ -107,7 +107,7 @@ def test_corrupt_checkpoint_is_refused(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--num-layerz", "3"], "unrecognized arguments: --num-layerz 3"),
+    (["--num-layerz", "3"], "unknown flag --num-layerz (did you mean --num-layers?)"),
     (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
 ])
 def test_flag_error_is_one_line_from_rank_0_only(argv, needle, monkeypatch, capsys):

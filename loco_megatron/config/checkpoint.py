@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from loco_megatron.config.base import require
+from loco_megatron.config.base import check_choices, choice, require
 
 
 @dataclasses.dataclass
@@ -16,7 +16,7 @@ class CheckpointConfig:
     """Save every this many steps (0 = only at the end when --save is set)."""
     load: Optional[str] = None
     """Directory to resume from (its latest complete checkpoint, in either format)."""
-    ckpt_format: str = "torch_dist"
+    ckpt_format: str = choice("torch_dist", ("torch_dist", "torch"))
     """Format --save writes: torch_dist (megatron-core dist_checkpointing: loads under another
     world size / TP / PP / EP / DP with the same model shape) or torch (one file per rank:
     faster, resumes only with the same layout)."""
@@ -25,8 +25,7 @@ class CheckpointConfig:
     the checkpoint is committed (renamed, `latest` updated) once every rank's write finished."""
 
     def __post_init__(self):
+        check_choices(self)
         require(self.save_interval >= 0, "save_interval", "must be >= 0")
-        require(self.ckpt_format in ("torch_dist", "torch"), "ckpt_format",
-                f"{self.ckpt_format!r} is not one of torch_dist, torch")
         require(not (self.async_save and self.ckpt_format != "torch_dist"), "async_save",
                 "needs --ckpt-format torch_dist")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from loco_megatron.config.base import require
+from loco_megatron.config.base import check_choices, choice, require
 
 
 @dataclasses.dataclass
@@ -17,7 +17,7 @@ class DataConfig:
     """The tokenizer (required with --data-path): a sentencepiece .model file, or with
     --tokenizer-type HuggingFaceTokenizer a Hugging Face tokenizer folder, its tokenizer.json
     or a hub name."""
-    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_type: str = choice("SentencePieceTokenizer", ("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     """SentencePieceTokenizer or HuggingFaceTokenizer (Megatron-LM's names): how to read
     --tokenizer-model. The built-in corpus uses its own sentencepiece tokenizer."""
     split: str = "98,2,0"
@@ -37,9 +37,7 @@ class DataConfig:
     """Validation data (same form), with --train-data-path."""
 
     def __post_init__(self):
-        types = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
-        require(self.tokenizer_type in types, "tokenizer_type", f"'{self.tokenizer_type}' is not one of "
-                f"{', '.join(types)}")
+        check_choices(self)
         if self.tokenizer_type != "SentencePieceTokenizer":
             require(self.data_path is not None or self.train_data_path is not None, "tokenizer_type",
                     f"{self.tokenizer_type} needs --data-path and --tokenizer-model "

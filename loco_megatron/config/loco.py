@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from loco_megatron.config.base import require
+from loco_megatron.config.base import check_choices, choice, choices_of, require
 
 LOCO_DEFAULT_OPTIONS: dict[int, dict[str, str]] = {
     2: {"quantizer": "uniform", "scale": "mse", "rotation": "hadamard", "rounding": "nearest"},
@@ -17,85 +17,76 @@ symmetric, absmax, none, nearest - the original scheme). Chosen by the quality s
 
 @dataclasses.dataclass
 class LoCoConfig:
-    loco_bits: int = 0
+    loco_bits: int = choice(0, (0, 2, 4, 8))
     """Bits per transmitted gradient code: 0 = off (megatron-core's own reduce-scatter), 2, 4 or 8."""
     loco_beta: float = 0.8
     """Moving-average factor of the compression error: e <- beta*e + (1-beta)*(h - Q(h))."""
     loco_block_size: int = 256
     """Elements per quantisation block (one fp32 scale each); a positive multiple of 8."""
-    loco_error_bits: int = 8
+    loco_error_bits: int = choice(8, (8, 16, 32))
     """Storage of the error buffer: 8 (int8 + per-block scale), 16 (bf16) or 32 (fp32)."""
     loco_reset_interval: int = 1024
     """Zero the error every this many optimizer steps (0 = never)."""
     loco_warmup_iters: int = 0
     """Sync the first N iterations at full precision (megatron-core's reduce-scatter)."""
-    loco_no_error_feedback: bool = False
-    """Ablation: quantise the raw gradient with no compensation."""
+    loco_error_feedback: bool = True
+    """Carry the compression error into the next step (LoCo). --no-loco-error-feedback is the
+    ablation: quantise the raw gradient with no compensation (replaces the deprecated
+    --loco-no-error-feedback)."""
     loco_hierarchical: Optional[bool] = None
     """Two-hop LoCo: reduce inside each node at --loco-intra-node-bits, then across nodes at
     --loco-bits, each hop with its own error state (default: on when a data-parallel group
     spans more than one node and holds several ranks per node)."""
-    loco_intra_node_bits: int = 8
+    loco_intra_node_bits: int = choice(8, (2, 4, 8, 16))
     """Bits of the intra-node hop of two-hop LoCo: 2, 4, 8 (compensated) or 16 (bf16, uncompressed)."""
     loco_ranks_per_node: Optional[int] = None
     """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
-    loco_kernels: str = "auto"
+    loco_kernels: str = choice("auto", ("auto", "torch", "triton", "cpu"))
     """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
     installed and the shape and quantiser options are supported; the fused C++ kernels,
     which implement every quantiser option, on CPU when they build; else torch, and the
     start-up line says why), torch (the reference), triton, or cpu (falls back to torch,
     with one line, when no C++ compiler is present). See docs/kernels.md."""
-    loco_quantizer: Optional[str] = None
+    loco_quantizer: Optional[str] = choice(None, ("symmetric", "uniform"))
     """Gradient code grid: symmetric (codes -qmax..qmax, levels k*s; 2 bits use three of the
     four codes) or uniform (all 2**bits codes, levels (k+0.5)*s). Default: per --loco-bits
     (LOCO_DEFAULT_OPTIONS)."""
-    loco_scale: Optional[str] = None
+    loco_scale: Optional[str] = choice(None, ("absmax", "mse"))
     """Per-block scale: absmax, or mse (the clip ratio of 1.0 ... 0.5 with the least squared
     error, per block, searched in units of the absmax scale; the clipped part is carried
     by the error feedback). Default: per --loco-bits."""
-    loco_rotation: Optional[str] = None
+    loco_rotation: Optional[str] = choice(None, ("none", "hadamard"))
     """none, or hadamard: block-wise randomized Walsh-Hadamard rotation before quantising
     (signs from --loco-quant-seed, shared by every rank; needs a power-of-two
     --loco-block-size). Default: per --loco-bits."""
-    loco_rounding: Optional[str] = None
+    loco_rounding: Optional[str] = choice(None, ("nearest", "stochastic"))
     """nearest, or stochastic (unbiased; random bits hashed from the seed, bucket, rank and
     step, so a resumed run is bit-exact). Default: per --loco-bits."""
     loco_quant_seed: int = 0
     """Seed of the Hadamard signs and of stochastic rounding (the same on every rank)."""
-    param_gather_bits: int = 0
+    param_gather_bits: int = choice(0, (0, 8, 4, 2))
     """Distributed optimizer's parameter all-gather: 0 = megatron-core's own (params at their
     dtype), 8, 4 or 2 = block-wise quantised differences against the parameters every rank
     agrees on (--loco-block-size blocks, quantiser options per :meth:`param_gather_options`);
     needs --use-distributed-optimizer."""
 
     def __post_init__(self):
-        for name, allowed in (("quantizer", ("symmetric", "uniform")), ("scale", ("absmax", "mse")),
-                              ("rotation", ("none", "hadamard")), ("rounding", ("nearest", "stochastic"))):
-            value = getattr(self, f"loco_{name}")
-            if value is None:  # resolved here, so the metrics' config records the option in use
-                value = LOCO_DEFAULT_OPTIONS.get(self.loco_bits, {}).get(name, allowed[0])
-                setattr(self, f"loco_{name}", value)
-            require(value in allowed, f"loco_{name}", f"{value!r} is not one of {', '.join(allowed)}")
+        for name in ("quantizer", "scale", "rotation", "rounding"):
+            if getattr(self, f"loco_{name}") is None:  # resolved here, so the metrics' config records it
+                setattr(self, f"loco_{name}", LOCO_DEFAULT_OPTIONS.get(self.loco_bits, {}).get(
+                    name, choices_of(LoCoConfig, f"loco_{name}")[0]))
+        check_choices(self)
         bs = self.loco_block_size
         require(self.loco_rotation == "none" or (bs > 0 and bs & (bs - 1) == 0), "loco_rotation",
                 f"hadamard (the {self.loco_bits}-bit default unless --loco-rotation none is given) needs a "
                 f"power-of-two --loco-block-size, got {bs}")
-        require(self.loco_intra_node_bits in (2, 4, 8, 16), "loco_intra_node_bits",
-                 f"{self.loco_intra_node_bits} is not one of 2, 4, 8, 16")
         require(self.loco_ranks_per_node is None or self.loco_ranks_per_node >= 1, "loco_ranks_per_node",
                  "must be >= 1")
-        require(self.loco_kernels in ("auto", "torch", "triton", "cpu"), "loco_kernels",
-                 f"{self.loco_kernels!r} is not one of auto, torch, triton, cpu")
-        require(self.loco_bits in (0, 2, 4, 8), "loco_bits", f"{self.loco_bits} is not one of 0, 2, 4, 8")
         require(0.0 <= self.loco_beta < 1.0, "loco_beta", f"{self.loco_beta} is not in [0, 1)")
         require(self.loco_block_size > 0 and self.loco_block_size % 8 == 0, "loco_block_size",
                  f"{self.loco_block_size} is not a positive multiple of 8")
-        require(self.loco_error_bits in (8, 16, 32), "loco_error_bits",
-                 f"{self.loco_error_bits} is not one of 8, 16, 32")
         require(self.loco_reset_interval >= 0, "loco_reset_interval", "must be >= 0")
         require(self.loco_warmup_iters >= 0, "loco_warmup_iters", "must be >= 0")
-        require(self.param_gather_bits in (0, 2, 4, 8), "param_gather_bits",
-                 f"{self.param_gather_bits} is not one of 0, 8, 4, 2")
         require(self.param_gather_options()["rotation"] == "none" or (bs > 0 and bs & (bs - 1) == 0),
                 "param_gather_bits", f"{self.param_gather_bits} quantises with the hadamard rotation, which needs "
                 f"a power-of-two --loco-block-size, got {bs} (or give --loco-bits {self.param_gather_bits} "

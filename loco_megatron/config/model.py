@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from loco_megatron.config.base import require
+from loco_megatron.config.base import check_choices, choice, require
 
 
 @dataclasses.dataclass
@@ -24,7 +24,7 @@ class ModelConfig:
     """Tokens per training sample."""
     max_position_embeddings: Optional[int] = None
     """Longest sequence the position embedding supports (None = seq length)."""
-    position_embedding_type: str = "rope"
+    position_embedding_type: str = choice("rope", ("rope", "learned_absolute"))
     """'rope' (LLaMA) or 'learned_absolute' (GPT-2)."""
     rotary_base: int = 10000
     """RoPE base period theta (LLaMA-2 10000, LLaMA-3 500000, Mixtral 1000000)."""
@@ -37,7 +37,7 @@ class ModelConfig:
     """Epsilon of every LayerNorm / RMSNorm (megatron-core's layernorm_epsilon; LLaMA and Mixtral: 1e-5)."""
     swiglu: bool = True
     """SwiGLU MLP (LLaMA) instead of GeLU."""
-    normalization: str = "RMSNorm"
+    normalization: str = choice("RMSNorm", ("RMSNorm", "LayerNorm"))
     """'RMSNorm' (LLaMA) or 'LayerNorm' (GPT-2)."""
     untie_embeddings_and_output_weights: bool = True
     """Separate input embedding and output projection (LLaMA)."""
@@ -57,20 +57,21 @@ class ModelConfig:
     """Weight of the MoE load-balancing loss."""
     bf16: bool = False
     """Train in bfloat16 mixed precision (fp32 main params in the optimizer)."""
-    transformer_impl: str = "local"
+    transformer_impl: str = choice("local", ("local", "transformer_engine"))
     """'local' (megatron-core modules, no TransformerEngine) or 'transformer_engine'."""
     use_cpu_initialization: bool = True
     """Initialise weights on CPU from one full master weight, so TP=1 and TP=2 start identical."""
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: Optional[str] = choice(None, ("selective", "full"))
     """Activation recomputation: 'selective' (attention core only) or 'full' (whole layers; needs
     --recompute-method). None = keep all activations."""
-    recompute_method: Optional[str] = None
+    recompute_method: Optional[str] = choice(None, ("uniform", "block"))
     """With full recomputation: 'uniform' (checkpoint groups of --recompute-num-layers layers) or
     'block' (checkpoint the first --recompute-num-layers layers of each pipeline stage)."""
     recompute_num_layers: Optional[int] = None
     """Layers per recomputation group ('uniform') or per stage ('block'); default 1."""
 
     def __post_init__(self):
+        check_choices(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require(getattr(self, name) > 0, name, "must be positive")
         require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
@@ -79,17 +80,11 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         require(self.max_position_embeddings >= self.seq_length, "max_position_embeddings",
                  "must be at least --seq-length")
-        require(self.position_embedding_type in ("rope", "learned_absolute"),
-                 "position_embedding_type", "must be 'rope' or 'learned_absolute'")
         require(self.rotary_base > 0, "rotary_base", "must be positive")
         require(self.norm_epsilon > 0, "norm_epsilon", "must be positive")
         require(self.rope_scaling_factor >= 1.0, "rope_scaling_factor", "must be >= 1")
         if self.use_rope_scaling:
             require(self.position_embedding_type == "rope", "use_rope_scaling", "needs --position-embedding-type rope")
-        require(self.normalization in ("RMSNorm", "LayerNorm"), "normalization",
-                 "must be 'RMSNorm' or 'LayerNorm'")
-        require(self.transformer_impl in ("local", "transformer_engine"), "transformer_impl",
-                 "must be 'local' or 'transformer_engine'")
         if self.num_query_groups is not None:
             require(self.num_attention_heads % self.num_query_groups == 0, "num_query_groups",
                      "must divide --num-attention-heads")
@@ -104,10 +99,6 @@ class ModelConfig:
                      f"must be in [1, --num-experts={self.num_experts}]")
         for name in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
-        require(self.recompute_granularity in (None, "selective", "full"), "recompute_granularity",
-                 f"{self.recompute_granularity!r} is not 'selective' or 'full'")
-        require(self.recompute_method in (None, "uniform", "block"), "recompute_method",
-                 f"{self.recompute_method!r} is not 'uniform' or 'block'")
         if self.recompute_granularity == "full":
             require(self.recompute_method is not None, "recompute_method",
                      "is required with --recompute-granularity full ('uniform' or 'block')")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from loco_megatron.config.base import require
+from loco_megatron.config.base import check_choices, choice, require
 
 
 @dataclasses.dataclass
@@ -16,7 +16,7 @@ class OptimizerConfig:
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
     """Linear warmup iterations (or use --lr-warmup-fraction)."""
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = choice("cosine", ("constant", "linear", "cosine"))
     """'constant', 'linear' or 'cosine'."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays (None = --train-iters)."""
@@ -44,13 +44,12 @@ class OptimizerConfig:
     say (Megatron-LM's flag)."""
 
     def __post_init__(self):
+        check_choices(self)
         require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                 "override_opt_param_scheduler", "give either it or --use-checkpoint-opt-param-scheduler, not both")
         require(self.lr > 0, "lr", "must be positive")
         require(0 <= self.min_lr <= self.lr, "min_lr", "must be in [0, --lr]")
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters", "must be >= 0")
-        require(self.lr_decay_style in ("constant", "linear", "cosine"), "lr_decay_style",
-                 "must be 'constant', 'linear' or 'cosine'")
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         if self.lr_warmup_fraction is not None:

@@ -4,7 +4,7 @@ and the resumable micro-batch iterator that feeds the pipeline schedules."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -27,11 +27,12 @@ class DataSources:
     """Blends of several prefixes (None: ``data_prefix`` alone)."""
 
 
-def resolve_data(config: Config, cache_dir: str) -> DataSources:
-    """The user's dataset and tokenizer (checked), or the built-in corpus. Raises ConfigError."""
+def resolve_data(config: Config, cache_dir: str, log: Optional[Callable[[str], None]] = None) -> DataSources:
+    """The user's dataset and tokenizer (checked), or the built-in corpus (``log``: see
+    :func:`ensure_default_corpus`). Raises ConfigError."""
     d = config.data
     if d.data_path is None and d.train_data_path is None:
-        prefix, model = ensure_default_corpus(cache_dir, d.vocab_size)
+        prefix, model = ensure_default_corpus(cache_dir, d.vocab_size, log)
     else:
         prefix, model = None, d.tokenizer_model
     blends = blends_from(d.data_path, d.train_data_path, d.valid_data_path, prefix)

@@ -11,6 +11,7 @@ are read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import re
@@ -122,13 +123,23 @@ def embedding_rows(path: pathlib.Path) -> tuple[int, bool]:
 
 
 def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool) -> dict:
-    """The model's global tensors (GPTModel ``state_dict`` names, TP=1) from ``path``.
+    """The model's global tensors (GPTModel ``state_dict`` names, TP=1) from ``path``
+    (see :func:`loaded_model`)."""
+    with loaded_model(path, config, rows, ddp_prefix) as (_, loaded):
+        return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
-    Runs in this process: a one-rank gloo group and megatron's parallel state (torn down
-    before returning), the model built by :func:`loco_megatron.model.build_model` with
-    ``rows`` vocabulary rows (without DDP's gradient buffers), and ``dist_checkpointing.load`` of its sharded state dict,
-    which reassembles every tensor from whatever layout saved it (TP slices, PP stages,
-    EP experts, the gate/up interleave of SwiGLU under TP).
+
+@contextlib.contextmanager
+def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool):
+    """Yields ``(model, loaded)``: one TP=PP=EP=1 GPTModel on the CPU in eval mode holding the
+    weights of ``path``, and its loaded state dict (``state_dict`` names, TP=1 tensors).
+
+    Runs in this process: a one-rank gloo group and megatron's parallel state, which exist
+    only inside the ``with`` block; the model built by :func:`loco_megatron.model.build_model`
+    with ``rows`` vocabulary rows (without DDP's gradient buffers), and
+    ``dist_checkpointing.load`` of its sharded state dict, which reassembles every tensor from
+    whatever layout saved it (TP slices, PP stages, EP experts, the gate/up interleave of
+    SwiGLU under TP).
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -155,11 +166,14 @@ def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix
                                   f"({_first_line(inner)})") from None
             except Exception as e:
                 raise ConfigError(f"--load: {path} cannot be read ({_first_line(e)})") from None
+            prefix = "module." if ddp_prefix else ""
+            loaded = {k[len(prefix):]: v for k, v in loaded.items()}
+            model.load_state_dict(loaded, strict=True)
+            model.eval()
+            yield model, loaded
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
-    prefix = "module." if ddp_prefix else ""
-    return {k[len(prefix):]: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 
 def _first_line(e: Exception) -> str:

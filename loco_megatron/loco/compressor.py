@@ -353,7 +353,7 @@ class LoCoCompressor:
         saved_ef = "error" in sd
         if saved_ef != (self._err is not None):
             raise LoCoStateMismatch(f"error feedback was {'on' if saved_ef else 'off'} in the checkpoint "
-                                    f"(--loco-no-error-feedback changed)")
+                                    f"(--loco-error-feedback changed)")
         for key in ("numel", "rows", "bits", "block_size", "error_bits"):
             if sd.get(key, 1 if key == "rows" else None) != getattr(self, key):
                 raise LoCoStateMismatch(f"{key}={sd.get(key)} in the checkpoint, {getattr(self, key)} now")

@@ -9,7 +9,8 @@ from typing import Callable, Optional, Sequence
 
 def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
-                   options: Sequence[str] = ()) -> tuple[str, Optional[str]]:
+                   options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None
+                   ) -> tuple[str, Optional[str]]:
     """``(kernels, why)``: ``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``,
     and, when a fused path was possible in principle but torch runs (``auto`` on a shape or
     option the device's kernels cannot serve, or a C++ build that failed), one phrase
@@ -24,6 +25,7 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
     line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
+    ``announce`` gets one line before the C++ kernels are compiled (first use only).
     """
     if choice == "torch":
         return "torch", None
@@ -37,6 +39,8 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
             if choice == "auto":
                 return "torch", f"--loco-kernels cpu {why}"
             raise ValueError(f"--loco-kernels cpu {why}")
+        if announce is not None and cpu_kernels.needs_build():
+            announce(cpu_kernels.BUILD_NOTE)
         built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
         return ("cpu", None) if built is not None else ("torch", "the C++ CPU kernels could not be built")
     why = None

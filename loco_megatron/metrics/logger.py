@@ -95,6 +95,19 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(key, value, iteration)
         self.print(self._line(iteration, metrics, total_iters), flush=True)
 
+    def summary(self, iteration: int, metrics: dict) -> None:
+        """The end-of-run ``summary/...`` figures: one JSON-lines record, wandb's run summary
+        and TensorBoard scalars; no console line (the trainer prints the summary block)."""
+        if not self.enabled:
+            return
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        if self._wandb is not None:
+            self._wandb.summary.update(metrics)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, iteration)
+
     @staticmethod
     def _line(it: int, m: dict, total: Optional[int]) -> str:
         parts = [f"iter {it}" + (f"/{total}" if total else "")]

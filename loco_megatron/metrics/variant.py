@@ -22,7 +22,8 @@ def describe(config: dict) -> str:
 def _describe_grads(config: dict) -> str:
     bits = config.get("loco_bits", 0)
     if bits:
-        if config.get("loco_no_error_feedback"):
+        # loco_no_error_feedback: the option's name in metrics files written before the rename
+        if config.get("loco_error_feedback") is False or config.get("loco_no_error_feedback"):
             return f"{bits}-bit, no error feedback"
         if config.get("loco_beta", 0.8) == 0:
             return f"{bits}-bit error feedback (beta 0)"

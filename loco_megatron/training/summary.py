@@ -1,10 +1,16 @@
-"""The start-up summary rank 0 prints once: model size, layout, batch, LoCo and the
-gradient bytes per step it implies."""
+"""What rank 0 prints about the run as a whole: the start-up summary (model size, layout,
+batch, LoCo and the gradient bytes per step it implies, memory) and the end-of-run summary
+(iterations, tokens, time, final losses, bytes sent, the last checkpoint)."""
 
 from __future__ import annotations
 
+import pathlib
+import time
 from typing import Optional
 
+import torch
+
+from loco_megatron.checkpoint import files
 from loco_megatron.config import Config
 from loco_megatron.distributed import ParallelLayout
 from loco_megatron.loco.kernel_choice import kernels_line
@@ -86,4 +92,107 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
     if lc.enabled or lc.param_gather_bits:
         popts = f"{lc.param_gather_bits}-bit {'/'.join(lc.param_gather_options().values())}"
         lines.append(kernels_line(lc.loco_kernels, lc.enabled, lc.param_gather_bits, kernels_why, popts))
+    return "\n".join(lines)
+
+
+def memory_line(grad_sync, param_sync) -> str:
+    """One start-up line: what LoCo (``grad_sync``) and the compressed parameter gather
+    (``param_sync``) keep and need at most on this rank ("" when neither is on)."""
+    parts = []
+    if hasattr(grad_sync, "memory_report"):
+        parts.append(loco_memory_part(grad_sync.memory_report()))
+    if hasattr(param_sync, "memory_report"):
+        mem = param_sync.memory_report()
+        if mem["params"]:
+            per = lambda b: b / mem["params"]  # noqa: E731
+            parts.append(f"param gather memory on rank 0: agreed copy {mem['persistent'] / 2**20:.1f} MiB "
+                         f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
+                         f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} parameter elements")
+        else:
+            parts.append("param gather: no data-parallel group of more than one rank here: parameters are exact")
+    return "; ".join(parts)
+
+
+def loco_memory_part(mem: dict) -> str:
+    if not mem["params"]:
+        return "LoCo: no data-parallel group of more than one rank here: gradients are synced exactly, uncompressed"
+    per = lambda b: b / mem["params"]  # noqa: E731
+    return (f"LoCo memory on rank 0: error buffers {mem['persistent'] / 2**20:.1f} MiB "
+            f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
+            f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} gradient elements")
+
+
+BYTE_KEYS = ("comm/grad_bytes_sent", "comm/grad_bytes_uncompressed", "comm/param_bytes_sent",
+             "comm/param_bytes_uncompressed")
+"""The per-step byte counts of :meth:`loco_megatron.metrics.comm.CommStats.take` summed for the summary."""
+
+
+class RunTotals:
+    """This run's sums for the end-of-run summary: this rank's bytes handed to gradient and
+    parameter collectives (host floats, from the per-step comm figures the trainer takes
+    anyway), and the last logged train and eval loss (already reduced across ranks)."""
+
+    def __init__(self, start_iteration: int, start_tokens: int, start_train_s: float):
+        self.start_iteration, self.start_tokens, self.start_train_s = start_iteration, start_tokens, start_train_s
+        self.bytes = dict.fromkeys(BYTE_KEYS, 0.0)
+        self.losses: dict[str, tuple[int, float]] = {}
+        """``train/lm_loss`` / ``eval/lm_loss`` -> (iteration, value) of the last one logged."""
+
+    def add_step(self, comm: dict) -> None:
+        for key in BYTE_KEYS:
+            self.bytes[key] += comm.get(key, 0.0)
+
+    def note(self, iteration: int, metrics: dict) -> None:
+        for key in ("train/lm_loss", "eval/lm_loss"):
+            if key in metrics:
+                self.losses[key] = (iteration, metrics[key])
+
+    def across_ranks(self, state, device: torch.device, started_at: float) -> dict:
+        """Collective (every rank, once, at the end): the ``summary/...`` figures, bytes summed
+        over all ranks. ``state``: the trainer's counters; ``started_at``: process start (epoch s)."""
+        import torch.distributed as dist
+
+        sums = torch.tensor([self.bytes[k] for k in BYTE_KEYS], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        out = {"summary/first_iteration": self.start_iteration, "summary/iteration": state.iteration,
+               "summary/tokens": state.tokens_seen - self.start_tokens, "summary/tokens_total": state.tokens_seen,
+               "summary/wall_s": time.time() - started_at, "summary/train_step_s": state.train_time_s - self.start_train_s}
+        out.update({f"summary/{k[len('comm/'):]}": v for k, v in zip(BYTE_KEYS, sums.tolist())})
+        for key, (iteration, value) in self.losses.items():
+            name = key.split("/")[0]
+            out[f"summary/{name}_loss"], out[f"summary/{name}_loss_iteration"] = value, iteration
+        return out
+
+
+def last_checkpoint(save_root: Optional[pathlib.Path]) -> Optional[pathlib.Path]:
+    """The committed checkpoint ``--save``'s ``latest`` file names, None when there is none."""
+    latest = save_root / files.LATEST if save_root is not None else None
+    if latest is None or not latest.is_file() or not latest.read_text().strip().isdigit():
+        return None
+    path = files.iter_dir(save_root, int(latest.read_text().strip()))
+    return path if path.is_dir() else None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def end_summary(s: dict, save_root: Optional[pathlib.Path], world_size: int) -> str:
+    """The end-of-run block for rank 0's console from :meth:`RunTotals.across_ranks`'s figures."""
+    ran = s["summary/iteration"] - s["summary/first_iteration"]
+    resumed = f" (resumed at {s['summary/first_iteration']})" if s["summary/first_iteration"] else ""
+    lines = [f"run summary: {ran} iteration{'' if ran == 1 else 's'} this run, now at iteration {s['summary/iteration']}{resumed}; "
+             f"{s['summary/tokens']:,} tokens ({s['summary/tokens_total']:,} in all); wall time "
+             f"{s['summary/wall_s']:.1f} s, of it {s['summary/train_step_s']:.1f} s in training steps"]
+    losses = [f"{name} {s[f'summary/{name}_loss']:.4f} (iteration {s[f'summary/{name}_loss_iteration']})"
+              for name in ("train", "eval") if f"summary/{name}_loss" in s]
+    lines.append("  final loss: " + ("; ".join(losses) if losses else "none logged"))
+    for what, key in (("gradients sent", "grad"), ("parameters all-gathered", "param")):
+        sent, raw = s[f"summary/{key}_bytes_sent"], s[f"summary/{key}_bytes_uncompressed"]
+        if raw:
+            lines.append(f"  {what}: {_mib(sent)} instead of {_mib(raw)} uncompressed "
+                         f"(x{sent / raw:.3f}), all {world_size} ranks together")
+    ckpt = last_checkpoint(save_root)
+    lines.append(f"  last checkpoint: {ckpt}" if ckpt else
+                 "  last checkpoint: none saved" + ("" if save_root else " (no --save)"))
     return "\n".join(lines)

@@ -35,7 +35,7 @@ from loco_megatron.training.preflight import check_start
 from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
-from loco_megatron.training.summary import startup_summary
+from loco_megatron.training.summary import RunTotals, end_summary, memory_line, startup_summary
 from loco_megatron.training.state import (FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState,
                                           TrainerState, peak_memory_bytes)
 from loco_megatron.training.step import evaluate, train_step
@@ -54,12 +54,12 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     # (the layout checks are the ones --dry-run makes).
     check_start(config, env.world_size)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
-    sources = resolve_data(config, cache_dir)
+    sources = resolve_data(config, cache_dir, _rank0_print(env.rank == 0))
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
     precheck.check_save_target(precheck.find_resume_dir())  # bad --load/--save: fail before any set-up
 
     platform = detect_platform(env.local_rank)
-    config, kernels_why = _resolve_loco_kernels(config, platform, env)
+    config, kernels_why = _resolve_loco_kernels(config, platform, env)  # may build the C++ kernels
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
                                   env.distributed_timeout_s)
@@ -83,9 +83,10 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
     lc = config.loco
     try:
         kernels, why = choose_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
-                                  lc.loco_block_size, lc.loco_error_bits, not lc.loco_no_error_feedback,
+                                  lc.loco_block_size, lc.loco_error_bits, lc.loco_error_feedback,
                                   options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
-                                                       lc.loco_rounding).non_default() if lc.enabled else ())
+                                                       lc.loco_rounding).non_default() if lc.enabled else (),
+                                  announce=_rank0_print(env.rank == 0))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     per_node = lc.loco_ranks_per_node or env.local_world_size
@@ -230,7 +231,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             parallel_state.get_tensor_model_parallel_group(), getattr(grad_sync, "ops", TORCH_OPS))
     _configure_schedules(chunks, optimizer, replicas)
     if layout.is_logging_rank:
-        line = _memory_line(grad_sync if config.loco.enabled else None,
+        line = memory_line(grad_sync if config.loco.enabled else None,
                             param_sync if config.loco.param_gather_bits else None)
         if line:
             print(line, flush=True)
@@ -250,6 +251,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                 "scheduler": schedule, "data": batches, "trainer": state, "loco": grad_sync, "health": guard,
                 "param_gather": param_sync}
     if resume is not None:
+        _print_rank0(layout, f"loading checkpoint {resume}")
         ckpt.load(resume, stateful)
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**config.to_flat_dict(), "world_size": layout.world_size,
@@ -272,6 +274,7 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
               "grad_norm": None, "skipped": 0, "comm": {}, "loco": None, "param": None}
     gathers_params = bool(config.loco.param_gather_bits)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, env.started_at)
+    totals = RunTotals(state.iteration, state.tokens_seen, state.train_time_s)
     stop.discard_stale_file()
     stop.install()
     try:
@@ -287,15 +290,20 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             profiler.after_step(state.iteration)
             state.tokens_seen += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
-            _accumulate(window, result, *comm_stats.take())
+            comm, loco_sums = comm_stats.take()
+            totals.add_step(comm)
+            _accumulate(window, result, comm, loco_sums)
             _accumulate_param(window, comm_stats)
 
             if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
                 last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
                                    t.train_iters, throughput, gathers_params)
+                totals.note(state.iteration, last)
             if t.eval_interval and (state.iteration % t.eval_interval == 0
                                     or state.iteration == t.train_iters):
-                last.update(_run_eval(config, chunks, valid_ds, layout, device, state, logger))
+                evaluated = _run_eval(config, chunks, valid_ds, layout, device, state, logger)
+                totals.note(state.iteration, evaluated)
+                last.update(evaluated)
             guard.update(state.iteration, result.skipped)  # RunAborted: leave before saving
             ckpt.poll()  # commits a finished background write (--async-save)
             if ckpt.save_root and config.checkpoint.save_interval and \
@@ -316,6 +324,10 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
         ckpt.wait()  # the last (or stop-requested) save is committed before exit
         for timing in ckpt.take_timings():
             logger.log(state.iteration, timing)
+        summary = totals.across_ranks(state, device, env.started_at)  # collective: every rank
+        if layout.is_logging_rank:
+            print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
+            logger.summary(state.iteration, summary)
     except RunAborted:  # every rank raises it at the same step: the in-flight save can be finalized
         _print_rank0(layout, ckpt.finish_in_flight(agreed=True))
         raise
@@ -338,33 +350,6 @@ def _print_rank0(layout: ParallelLayout, line: str) -> None:
 
 def _rank0_print(is_logging_rank: bool) -> Callable[[str], None]:
     return (lambda line: print(line, flush=True)) if is_logging_rank else (lambda line: None)
-
-
-def _memory_line(grad_sync, param_sync) -> str:
-    """One start-up line: what LoCo (``grad_sync``) and the compressed parameter gather
-    (``param_sync``) keep and need at most on this rank ("" when neither is on)."""
-    parts = []
-    if hasattr(grad_sync, "memory_report"):
-        parts.append(_loco_memory_part(grad_sync.memory_report()))
-    if hasattr(param_sync, "memory_report"):
-        mem = param_sync.memory_report()
-        if mem["params"]:
-            per = lambda b: b / mem["params"]  # noqa: E731
-            parts.append(f"param gather memory on rank 0: agreed copy {mem['persistent'] / 2**20:.1f} MiB "
-                         f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
-                         f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} parameter elements")
-        else:
-            parts.append("param gather: no data-parallel group of more than one rank here: parameters are exact")
-    return "; ".join(parts)
-
-
-def _loco_memory_part(mem: dict) -> str:
-    if not mem["params"]:
-        return "LoCo: no data-parallel group of more than one rank here: gradients are synced exactly, uncompressed"
-    per = lambda b: b / mem["params"]  # noqa: E731
-    return (f"LoCo memory on rank 0: error buffers {mem['persistent'] / 2**20:.1f} MiB "
-            f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "
-            f"({per(mem['transient']):.3f} B/param) for {mem['params']:,} gradient elements")
 
 
 def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list, config: Config,

@@ -174,7 +174,7 @@ class GradSyncHook:
         return LoCoCompressor(**layout.compressor_shape(), bits=bits, beta=lc.loco_beta,
                               block_size=lc.loco_block_size, error_bits=lc.loco_error_bits,
                               reset_interval=lc.loco_reset_interval,
-                              error_feedback=not lc.loco_no_error_feedback, device=device, kernels=self._kernels,
+                              error_feedback=lc.loco_error_feedback, device=device, kernels=self._kernels,
                               options=self._options, stream=stream)
 
     def _make_two_hop_compressors(self, group, keys, ng: NodeGroups) -> None:
