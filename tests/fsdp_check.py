@@ -1,5 +1,6 @@
 """pretrain_gpt.py under Megatron-FSDP with the FSDP hook's collectives recorded and
-randomly delayed (as tests/record_collectives.py) and, before every step after the
+randomly delayed (as tests/record_collectives.py), the compressed buckets' shard sizes
+printed (``SHARDS rank=R numel=n1,n2,...``) and, before every step after the
 first, a check that every HSDP replica holds bit-identical parameter shards: each rank
 compares its local shards with the ranks of its outer (cross-node) group and prints
 ``REPLICAS rank=R iter=I identical=B`` (one write per line)."""
@@ -24,6 +25,8 @@ class CheckedFsdpHook(FsdpGradHook):
     def __init__(self, chunks, loco, stats, ops):
         self._chunks, self._it = chunks, 0
         super().__init__(chunks, loco, stats, ops=ops)
+        sizes = [self._gbuf(int(k[len("fsdp.bucket"):])).data.numel() for k in self.compressors]
+        os.write(1, f"SHARDS rank={dist.get_rank()} numel={','.join(map(str, sizes))}\n".encode())
 
     @property
     def iteration(self) -> int:

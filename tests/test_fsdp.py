@@ -55,11 +55,12 @@ def compressed(cache_dir, tmp_path_factory):
 
 def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompressed):
     """Guards against a LoCo replica reduction that leaves the HSDP replicas apart (each
-    must end the step with the same shard: the reduced rows are all-gathered), loses
+    must end the step with the same shard: every replica sums the same gathered codes in
+    the same order), loses
     error feedback (loss drifts from the uncompressed run), issues its collectives in a
-    timing-dependent order (random delays and is_completed() answers here), or counts bytes
-    that are not what it sent: 4-bit codes + one fp32 scale per 256-block row across nodes
-    (all-to-all) plus the reduced rows at fp32 (all-gather), once per step."""
+    timing-dependent order (random delays and is_completed() answers here), or sends or
+    counts bytes that are not the packed shard: one all-gather per bucket per step of 4-bit
+    codes + one fp32 scale per 256-block of this rank's whole shard, nothing at fp32."""
     proc, metrics, tmp_path = compressed
     checks = re.findall(r"REPLICAS rank=(\d) iter=(\d+) identical=(\w+)", proc.stdout)
     assert len(checks) == 4 * 3 and all(same == "True" for _, _, same in checks), checks
@@ -76,13 +77,11 @@ def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompre
 
     per_step = len(logs[0]) // 4
     step = logs[0][:per_step]
-    assert [op for _, op, _ in step] == ["all_to_all", "all_gather"] * (per_step // 2)
-    inter = 0
-    for (_, _, a2a), (_, _, gathered) in zip(step[::2], step[1::2]):
-        piece = gathered                          # the row each rank reduced and gathers (fp32 elements)
-        blocks = -(-piece // 256)
-        assert a2a == 2 * (blocks * 256 // 2 + 4 * blocks)  # two rows of 4-bit codes + fp32 scales
-        inter += (a2a + 4 * piece) // 2          # half of what is handed goes to the other node
+    assert [op for _, op, _ in step] == ["all_gather"] * per_step  # one gather of codes per bucket
+    shards = [int(n) for n in re.search(r"SHARDS rank=0 numel=([\d,]+)", proc.stdout).group(1).split(",")]
+    rows = [-(-n // 256) * (256 // 2 + 4) for n in shards]  # 4-bit codes + an fp32 scale per 256-block
+    assert sorted(n for _, _, n in step) == sorted(rows) and len(rows) == per_step
+    inter = sum(rows)                             # each row goes to the (one) replica on the other node
     for m in (m for m in metrics if "comm/grad_bytes_sent_inter" in m):
         assert m["comm/grad_bytes_sent_inter"] == inter
         assert 0 < m["comm/compressed_fraction"] < 1  # the intra-node reduce-scatter is not compressed

@@ -289,3 +289,46 @@ def compressed_reduce_scatter(
     if not async_op and out is not None:  # else the caller sets the output, then waits
         handle.wait()
     return handle, send.numel()
+
+
+def gathered_layout(numel: int, world: int, bits: int, block_size: int,
+                    options: Optional[qz.QuantOptions] = None) -> ShardLayout:
+    """Layout of :func:`compressed_all_gather_sum`: ``world`` rows, each one rank's whole
+    ``numel``-element buffer (``S = numel``, padded to whole blocks, exactly as a
+    ``rows = 1`` :class:`LoCoCompressor` of ``numel`` pads it), so ``row_bytes`` is one
+    rank's packed codes + scales and the decompress-and-sum kernels apply unchanged."""
+    return ShardLayout(numel * world, world, bits, block_size, options=options)
+
+
+def compressed_all_gather_sum(
+    buffer: torch.Tensor,
+    compress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    layout: ShardLayout,
+    group,
+    average: bool = False,
+    clock=None,
+    decompress: Callable = decompress_into,
+    ops: CollectiveOps = TORCH_OPS,
+) -> tuple[tuple, int]:
+    """All-reduce of flat ``buffer`` over ``group`` by gathering compressed codes:
+    ``buffer = scale * sum_r D(C_r(buffer_r))``, summed in fp32 in rank order, so every
+    rank ends with bit-identical values. Synchronous.
+
+    ``compress`` maps the whole ``buffer`` (``layout.piece`` elements) to ``(codes,
+    scales)`` of one row (a ``rows = 1`` :class:`LoCoCompressor`); ``layout`` is
+    :func:`gathered_layout`. One ``all_gather_into_tensor`` of the uint8 ``[row_bytes]``
+    row into ``[world * row_bytes]`` (row ``r`` from group rank ``r``). Returns the clock marks ``(start, launch,
+    decompress start, end)`` and the bytes this rank sent: ``(world - 1) * row_bytes``.
+    """
+    clock = clock or WallClock()
+    start = clock.mark()
+    assert buffer.numel() == layout.piece, (buffer.numel(), layout.piece)
+    codes, scales = compress(buffer)
+    send = torch.cat([codes.reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
+    assert send.numel() == layout.row_bytes, (send.numel(), layout.row_bytes)
+    recv = torch.empty(layout.world * layout.row_bytes, dtype=torch.uint8, device=send.device)
+    launch = clock.mark()
+    ops.all_gather_into_tensor(recv, send, group=group)  # flat: gloo wants the output 1-D
+    dstart = clock.mark()
+    decompress(recv.view(layout.world, layout.row_bytes), layout, buffer, 1.0 / layout.world if average else 1.0)
+    return (start, launch, dstart, clock.mark()), (layout.world - 1) * send.numel()

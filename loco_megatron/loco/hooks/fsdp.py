@@ -14,10 +14,12 @@ elements) over the outer group - the ranks holding the same shard on the other n
 * LoCo on, on the step's outer reduction: megatron's method runs with the outer reduction
   turned off (the intra-node reduce-scatter at full precision, megatron's own), then
   each bucket's shard is compensated with its own error buffer (the shard's size:
-  ``N/R`` elements, never the whole model), quantised, sent with one all-to-all over the
-  outer group and summed in fp32; the reduced rows are all-gathered at the shard's
-  dtype (:func:`~..collectives.compressed_reduce_scatter` with ``all_gather``), so every
-  replica ends with the same shard. Once per optimizer step, synchronously, in the
+  ``N/R`` elements, never the whole model) and quantised whole; the packed codes and
+  scales of every replica are all-gathered over the outer group (one
+  ``all_gather_into_tensor``) and every replica dequantises and sums the ``n`` rows in
+  fp32 in rank order (:func:`~..collectives.compressed_all_gather_sum`), so every replica
+  ends with the same shard and only low-bit codes cross nodes ((n-1) packed shards per
+  rank). Once per optimizer step, synchronously, in the
   program order of megatron's backward hooks (the same on every rank), through an
   injectable :class:`~..collectives.CollectiveOps`.
 
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter,
-                                            decompress_into)
+from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_all_gather_sum,
+                                            decompress_into, gathered_layout)
 from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.loco.quantize import QuantOptions
@@ -101,9 +103,11 @@ class FsdpGradHook:
 
     def _make_compressor(self, key: str, shard: torch.Tensor) -> None:
         lc = self.loco
-        layout = ShardLayout(shard.numel(), self._outer.size(), lc.loco_bits, lc.loco_block_size,
-                             options=self._options)
-        self._layouts[key] = layout
+        # One row per replica, each its whole shard: the compressor quantises the shard as
+        # one flat row (rows = 1), padded to whole blocks exactly as the gathered layout's rows.
+        self._layouts[key] = gathered_layout(shard.numel(), self._outer.size(), lc.loco_bits, lc.loco_block_size,
+                                             options=self._options)
+        layout = ShardLayout(shard.numel(), 1, lc.loco_bits, lc.loco_block_size, options=self._options)
         stream = zlib.crc32(f"{key}/rank{dist.get_rank()}".encode())  # stochastic rounding stream
         self.compressors[key] = LoCoCompressor(
             **layout.compressor_shape(), bits=lc.loco_bits, beta=lc.loco_beta, block_size=lc.loco_block_size,
@@ -180,28 +184,30 @@ class FsdpGradHook:
         for a, b in self._padding[bucket_id]:
             shard[a:b].zero_()
         compressor = self.compressors[key]
-        start = self.clock.mark()
-        work, sent = compressed_reduce_scatter(
+        marks, sent = compressed_all_gather_sum(
             shard, lambda flat: compressor.compress(flat, self._workspace), self._layouts[key], self._outer,
-            async_op=False, all_gather=True, average=self._ddp_config.average_in_collective, clock=self.clock,
-            decompress=self._decompress, ops=self.ops)
-        self.stats.add_interval("compress", start, work.launch_mark)
-        self.stats.add_interval("decompress", *work.decompress_marks)
+            average=self._ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
+            ops=self.ops)
+        self.stats.add_interval("compress", marks[0], marks[1])
+        self.stats.add_interval("decompress", marks[2], marks[3])
         self.stats.add_loco(compressor.last_stats)
-        handed = sent + work.gather_bytes
-        self.stats.add_bytes(handed, shard.numel() * shard.element_size(), compressed=True)
-        self.stats.add_hop_bytes(*node_split(dist.get_process_group_ranks(self._outer), self._rpn, handed))
+        self.stats.add_bytes(sent, shard.numel() * shard.element_size(), compressed=True)
+        # The all-gather delivers this rank's packed row to every other replica: node_split
+        # of (world x row) attributes (local-1) rows within the node and (world-local) across.
+        world = self._outer.size()
+        self.stats.add_hop_bytes(*node_split(dist.get_process_group_ranks(self._outer), self._rpn,
+                                             sent * world // (world - 1)))
 
     # -- memory ---------------------------------------------------------------------
     def memory_report(self) -> dict:
         """As :meth:`GradSyncHook.memory_report`: error buffers (``persistent``), the
-        largest bucket's scratch plus its send/receive codes (``transient``: one bucket at a
-        time, synchronously), and the gradient elements compressed (``params``)."""
+        largest bucket's scratch plus its send row and the ``n`` gathered rows (``transient``:
+        one bucket at a time, synchronously), and the gradient elements compressed (``params``)."""
         persistent = sum(c.error_nbytes() for c in self.compressors.values())
         scratch = max((c.workspace_nbytes() for c in self.compressors.values()), default=0)
-        in_flight = max((2 * lay.world * lay.row_bytes for lay in self._layouts.values()), default=0)
+        in_flight = max(((lay.world + 1) * lay.row_bytes for lay in self._layouts.values()), default=0)
         return {"persistent": persistent, "transient": scratch + in_flight,
-                "params": sum(lay.numel for lay in self._layouts.values())}
+                "params": sum(lay.piece for lay in self._layouts.values())}
 
     def instrument(self, wrap: Callable[[object, str, str], None]) -> None:
         """Named profiler ranges around LoCo's compression (see GradSyncHook.instrument)."""
