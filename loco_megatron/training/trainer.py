@@ -9,7 +9,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from loco_megatron.checkpoint import Checkpointer
 from loco_megatron.cli import LaunchEnv
@@ -23,7 +22,7 @@ from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks.fsdp import fsdp_factories
 from loco_megatron.loco.hooks import ParamGatherHook
 from loco_megatron.loco.tp_replicas import ReplicaGradAverage, needs_replica_average, tp_replicated_params
-from loco_megatron.metrics.comm import CommStats, clock_for, loco_metrics, param_metrics
+from loco_megatron.metrics.comm import CommStats, clock_for
 from loco_megatron.metrics.logger import MetricsLogger
 from loco_megatron.metrics.variant import variant
 from loco_megatron.model import build_model, padded_vocab_size
@@ -31,13 +30,14 @@ from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
 from loco_megatron.training.flops import throughput_for
 from loco_megatron.training.health import RunAborted, SkipGuard
+from loco_megatron.training.log_window import (accumulate, accumulate_param, log_window, param_sums_across_ranks,
+                                               reduce_for_logging)
 from loco_megatron.training.preflight import check_start
 from loco_megatron.training.profiling import Profiler
 from loco_megatron.training.schedule import ResumedSchedule
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import RunTotals, end_summary, memory_line, startup_summary
-from loco_megatron.training.state import (FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState,
-                                          TrainerState, peak_memory_bytes)
+from loco_megatron.training.state import FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState, TrainerState
 from loco_megatron.training.step import evaluate, train_step
 
 
@@ -126,62 +126,6 @@ def _configure_schedules(model_chunks: list, optimizer, after_finalize: Optional
     config.grad_sync_func = [c.start_grad_sync for c in model_chunks]
     if len(model_chunks) == 1:
         config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
-
-
-def _reduce_for_logging(value: torch.Tensor, layout: ParallelLayout) -> float:
-    """Mean over data-parallel ranks of a last-stage value, delivered to every stage."""
-    from megatron.core import parallel_state as ps
-
-    value = value.detach().float().clone()
-    dist.all_reduce(value, group=ps.get_data_parallel_group())
-    value /= layout.dp_size
-    if layout.pp_size > 1:  # non-last stages contribute zeros
-        dist.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
-    return value.item()
-
-
-def _param_sums_across_ranks(window: dict, device) -> torch.Tensor:
-    """--param-gather-bits: the window's ``(||agreed-main||^2, ||main||^2, non-finite)``
-    sums over all ranks (every rank joins; zeros where nothing was gathered)."""
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    if window["param"] is not None:
-        sums += window["param"].to(device=device, dtype=torch.float64)
-    dist.all_reduce(sums)
-    return sums
-
-
-def _comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
-    """Per-step means of this rank's comm figures -> mean and max over all ranks; LoCo's
-    error sums -> one RMS and one relative error over every rank, bucket and step."""
-    if not comm:
-        return {}
-    keys = sorted(comm)
-    local = torch.tensor([comm[k] / steps for k in keys], dtype=torch.float64, device=device)
-    mean, top = local.clone(), local.clone()
-    dist.all_reduce(mean)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    mean /= dist.get_world_size()
-    out = {k: mean[i].item() for i, k in enumerate(keys)}
-    out.update({f"{k}_max": top[i].item() for i, k in enumerate(keys)})
-    raw = out["comm/grad_bytes_uncompressed"]
-    out["comm/compression_ratio"] = out["comm/grad_bytes_sent"] / raw if raw else 1.0
-    del out["comm/compression_ratio_max"]
-    raw = out["comm/param_bytes_uncompressed"]
-    out["comm/param_compression_ratio"] = out["comm/param_bytes_sent"] / raw if raw else 1.0
-    # Achieved bandwidth: bytes a rank handed to its gradient and parameter collectives
-    # over the time they were in flight, in Gbit/s (mean rank). Overlapping buckets' times
-    # add up, so this is a lower bound on the link's rate.
-    busy = out.get("comm/grad_sync_total_s", 0.0) + out.get("comm/param_gather_s", 0.0)
-    sent = out["comm/grad_bytes_sent"] + out["comm/param_bytes_sent"]
-    out["comm/busbw_gbps"] = sent * 8 / busy / 1e9 if busy > 0 else 0.0
-    # Every rank joins the reduction (zeros where nothing was compressed this window).
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
-    if loco_sums is not None:
-        sums += loco_sums.to(device=device, dtype=torch.float64)
-    dist.all_reduce(sums)
-    if sums[3] > 0:
-        out.update(loco_metrics(sums))
-    return out
 
 
 def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
@@ -292,11 +236,11 @@ def _train(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             state.train_time_s += time.perf_counter() - t_step
             comm, loco_sums = comm_stats.take()
             totals.add_step(comm)
-            _accumulate(window, result, comm, loco_sums)
-            _accumulate_param(window, comm_stats)
+            accumulate(window, result, comm, loco_sums)
+            accumulate_param(window, comm_stats)
 
             if state.iteration % config.logging.log_interval == 0 or state.iteration == t.train_iters:
-                last = _log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
+                last = log_window(window, state, optimizer, layout, device, tokens_per_step, logger,
                                    t.train_iters, throughput, gathers_params)
                 totals.note(state.iteration, last)
             if t.eval_interval and (state.iteration % t.eval_interval == 0
@@ -367,62 +311,9 @@ def _save(ckpt: Checkpointer, state: TrainerState, stateful: dict, chunks: list,
         for chunk in chunks:
             chunk.start_param_sync(force_sync=True)
     if config.loco.param_gather_bits:  # never save weights a non-finite update was withheld from
-        _accumulate_param(window, comm_stats)
-        ParamGatherHook.check_finite(_param_sums_across_ranks(window, device)[2].item(), state.iteration)
+        accumulate_param(window, comm_stats)
+        ParamGatherHook.check_finite(param_sums_across_ranks(window, device)[2].item(), state.iteration)
     ckpt.save(state.iteration, stateful)
-
-
-def _accumulate(window: dict, result, comm: dict, loco_sums) -> None:
-    if result.loss is not None and not result.skipped:
-        window["loss"] += result.loss
-    window["steps"] += 1
-    window["skipped"] += int(result.skipped)
-    if not result.skipped:
-        window["grad_norm"] = result.grad_norm
-    for k, v in comm.items():
-        window["comm"][k] = window["comm"].get(k, 0.0) + v
-    if loco_sums is not None:  # stays on the device until the log interval
-        window["loco"] = loco_sums if window["loco"] is None else window["loco"] + loco_sums
-
-
-def _accumulate_param(window: dict, comm_stats: CommStats) -> None:
-    sums = comm_stats.take_param_sums()
-    if sums is not None:  # stays on the device until the log interval
-        window["param"] = sums if window["param"] is None else window["param"] + sums
-
-
-def _log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
-                tokens_per_step: int, logger: MetricsLogger, total_iters: int, throughput,
-                gathers_params: bool) -> dict:
-    """Reduce the interval's figures across ranks (only here, not every step) and log."""
-    steps = window["steps"]
-    counted = max(steps - window["skipped"], 1)
-    elapsed = time.perf_counter() - window["t0"]
-    loss = _reduce_for_logging(window["loss"] / counted, layout)  # collective: every window
-    metrics = {
-        # A window whose every step was skipped has no loss and no gradient norm (not 0.0,
-        # which reads as converged / vanished gradients): the keys are left out.
-        **({"train/lm_loss": loss} if steps > window["skipped"] else {}),
-        **({"train/grad_norm": window["grad_norm"]} if window["grad_norm"] is not None else {}),
-        "train/lr": optimizer.param_groups[0]["lr"],
-        "train/step_s": elapsed / steps,
-        "train/tokens_per_s": tokens_per_step * steps / elapsed,
-        "train/skipped_iters": state.skipped_iters + window["skipped"],
-        "train/tokens_seen": state.tokens_seen,
-        "mem/peak_bytes": peak_memory_bytes(device),
-    }
-    metrics.update(throughput.metrics(metrics["train/tokens_per_s"]))
-    state.skipped_iters += window["skipped"]
-    metrics.update(_comm_across_ranks(window["comm"], window["loco"], steps, device))
-    if gathers_params:
-        sums = _param_sums_across_ranks(window, device)
-        ParamGatherHook.check_finite(sums[2].item(), state.iteration)
-        if sums[1] > 0:
-            metrics.update(param_metrics(sums))
-    logger.log(state.iteration, metrics, total_iters)
-    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None,
-                  param=None, grad_norm=None)
-    return metrics
 
 
 def _run_eval(config: Config, chunks: list, valid_ds, layout: ParallelLayout, device,
@@ -434,7 +325,7 @@ def _run_eval(config: Config, chunks: list, valid_ds, layout: ParallelLayout, de
     it = MicroBatchIterator(valid_ds, d.global_batch_size, d.micro_batch_size, layout.dp_rank, layout.dp_size)
     steps = [it.step() for _ in range(t.eval_iters)]
     loss = evaluate(chunks, steps, it.num_microbatches, config.model.seq_length, d.micro_batch_size, device)
-    value = _reduce_for_logging(loss if loss is not None else torch.zeros((), device=device), layout)
+    value = reduce_for_logging(loss if loss is not None else torch.zeros((), device=device), layout)
     metrics = {"eval/lm_loss": value, "eval/ppl": math.exp(min(value, 50.0))}
     logger.log(state.iteration, metrics)
     return metrics
