@@ -13,6 +13,8 @@ two, the parameter all-gather) differs:
     loco4p4       LoCo 4-bit + 4-bit parameter differences (--param-gather-bits 4)
     loco2p2       LoCo 2-bit + 2-bit parameter differences (--param-gather-bits 2, with the
                   gradients' 2-bit options; not in the default set: --variants loco2p2)
+    fsdp, fsdp4   Megatron-FSDP as HSDP over two one-rank nodes, full precision / LoCo 4-bit
+                  on the cross-node reduction (not in the default set: --variants fsdp,fsdp4)
 
 The 2-bit section (``--variants 2bit``) runs the quantiser options one at a time and
 combined, with LoCo error feedback (``loco2-*``) and without (``noef2-*``); the suffix
@@ -47,6 +49,8 @@ import compare_runs  # noqa: E402
 
 _OPTION_LETTERS = {"u": ("quantizer", "uniform"), "m": ("scale", "mse"), "h": ("rotation", "hadamard"),
                    "s": ("rounding", "stochastic")}
+_FSDP = ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--loco-ranks-per-node", "1",
+         "--ckpt-format", "torch"]
 _ORIGINAL = {"quantizer": "symmetric", "scale": "absmax", "rotation": "none", "rounding": "nearest"}
 
 
@@ -77,6 +81,10 @@ VARIANTS = {
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
     # Both at 2 bits: the parameter gather shares the gradients' (default 2-bit) options.
     "loco2p2": ("LoCo 2-bit + params 2-bit", ["--loco-bits", "2", "--param-gather-bits", "2"]),
+    # Megatron-FSDP as HSDP over two one-rank "nodes" (each replica shards over one rank):
+    # LoCo compresses the cross-node replica reduction, as on a cluster (docs/fsdp.md).
+    "fsdp": ("Megatron-FSDP (HSDP 2x1), full precision", [*_FSDP, "--loco-bits", "0"]),
+    "fsdp4": ("Megatron-FSDP (HSDP 2x1) + LoCo 4-bit", [*_FSDP, "--loco-bits", "4"]),
 }
 for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lambda x: (len(x), x)):
     _suffix, _flags = _options(_letters)
@@ -86,7 +94,7 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)]}
 """Names ``--variants`` expands (each a list of variants)."""
-MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2") and "-" not in v]
+MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2", "fsdp", "fsdp4") and "-" not in v]
 """The variants run when ``--variants`` is not given (the original study)."""
 
 

@@ -112,7 +112,7 @@ class FsdpGradHook:
         self.compressors[key] = LoCoCompressor(
             **layout.compressor_shape(), bits=lc.loco_bits, beta=lc.loco_beta, block_size=lc.loco_block_size,
             error_bits=lc.loco_error_bits, reset_interval=lc.loco_reset_interval,
-            error_feedback=not lc.loco_no_error_feedback, device=shard.device, kernels=self._kernels,
+            error_feedback=lc.loco_error_feedback, device=shard.device, kernels=self._kernels,
             options=self._options, stream=stream)
 
     def _compressing(self) -> bool:
