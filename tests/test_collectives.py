@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loco_megatron.loco import LoCoCompressor, dequantize_blockwise
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter
+from loco_megatron.loco.collectives import (ShardLayout, compressed_all_gather_sum, compressed_reduce_scatter,
+                                         gathered_layout)
 
 
 def _free_port() -> int:
@@ -95,3 +96,63 @@ def test_without_distributed_optimizer_all_gathers_every_shard():
     assert torch.equal(g0, g1)
     plain = out[0][0][2]
     assert (g0 - plain).norm() / plain.norm() < 0.25
+
+
+def _gather_sum_worker(rank, world, port, numel, bits, queue, collected):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        one_row = ShardLayout(numel, 1, bits, 256)  # each rank compresses its whole buffer as one row
+        layout = gathered_layout(numel, world, bits, 256)
+        comp = LoCoCompressor(**one_row.compressor_shape(), bits=bits, beta=0.8)
+        results = []
+        for step in range(3):
+            g = torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
+            original = g.clone()
+            probe = LoCoCompressor(**one_row.compressor_shape(), bits=bits, beta=0.8)
+            probe.load_state_dict(comp.state_dict())
+            codes, scales = probe.compress(g.clone())
+            mine = dequantize_blockwise(codes, scales, bits, 256, one_row.compressed_numel)[:numel].contiguous()
+            _, nbytes = compressed_all_gather_sum(g, comp.compress, layout, None)
+            gathered = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+            plain = original.clone()
+            dist.all_reduce(plain)
+            results.append((g.clone(), gathered, plain, nbytes, one_row.row_bytes))
+        queue.put((rank, results))
+        collected.wait(timeout=120)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,numel,bits", [(3, 1000, 4), (2, 600, 2)])
+def test_all_gather_sum_equals_rank_ordered_sum_on_every_rank(world, numel, bits):
+    """Guards the FSDP cross-node path (compressed all-gather, then a local sum) against
+    rows mis-sliced from the gathered buffer (partial last block, odd group size), a sum
+    in another order on some rank (replicas would drift apart bit by bit), and a byte
+    count other than (world - 1) packed rows: every rank's result equals the rank-ordered
+    fp32 sum of every rank's independently dequantised transmission, all ranks are
+    bit-identical, and the result is close to plain all_reduce."""
+    ctx = mp.get_context("spawn")
+    queue, collected = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_gather_sum_worker, args=(r, world, port, numel, bits, queue, collected))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = dict(queue.get(timeout=120) for _ in procs)
+    collected.set()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for step in range(3):
+        for rank in range(world):
+            got, gathered, plain, nbytes, row_bytes = out[rank][step]
+            expected = gathered[0].clone()
+            for r in range(1, world):
+                expected.add_(gathered[r])
+            assert torch.equal(got, expected), (rank, step)
+            assert torch.equal(got, out[0][step][0])
+            assert (got - plain).norm() / plain.norm() < {2: 1.0, 4: 0.25}[bits]
+            assert nbytes == (world - 1) * row_bytes
