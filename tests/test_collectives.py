@@ -51,12 +51,13 @@ def _worker(rank, world, port, numel, bits, all_gather, queue, collected):
         dist.destroy_process_group()
 
 
-def _run(world, numel, bits, all_gather):
+def _spawn(target, world, *args):
+    """Run ``target(rank, world, port, *args, queue, collected)`` on ``world`` gloo ranks;
+    returns ``{rank: what it put on the queue}``."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, numel, bits, all_gather, queue, collected))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue, collected)) for r in range(world)]
     for p in procs:
         p.start()
     out = dict(queue.get(timeout=120) for _ in procs)
@@ -65,6 +66,10 @@ def _run(world, numel, bits, all_gather):
         p.join(timeout=60)
         assert p.exitcode == 0
     return out
+
+
+def _run(world, numel, bits, all_gather):
+    return _spawn(_worker, world, numel, bits, all_gather)
 
 
 @pytest.mark.parametrize("world,numel,bits", [(2, 1000, 4), (4, 4096, 2), (4, 1800, 8)])
@@ -134,18 +139,7 @@ def test_all_gather_sum_equals_rank_ordered_sum_on_every_rank(world, numel, bits
     count other than (world - 1) packed rows: every rank's result equals the rank-ordered
     fp32 sum of every rank's independently dequantised transmission, all ranks are
     bit-identical, and the result is close to plain all_reduce."""
-    ctx = mp.get_context("spawn")
-    queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_gather_sum_worker, args=(r, world, port, numel, bits, queue, collected))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=120) for _ in procs)
-    collected.set()
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    out = _spawn(_gather_sum_worker, world, numel, bits)
     for step in range(3):
         for rank in range(world):
             got, gathered, plain, nbytes, row_bytes = out[rank][step]
