@@ -36,6 +36,29 @@ class LoCoStateMismatch(ValueError):
     """A checkpointed LoCo state that does not fit this compressor (the message says why)."""
 
 
+def load_compressor_states(compressors: dict, sd: dict) -> Optional[str]:
+    """Restore every compressor of ``compressors`` (key -> :class:`LoCoCompressor`) from the
+    checkpointed ``sd`` (key -> its ``state_dict()``). When ``sd`` does not fit (other
+    buckets, or any compressor's :class:`LoCoStateMismatch`), every compressor is reset to
+    zero error and the reason is returned; ``None`` when all were restored."""
+    why = None
+    if set(sd) != set(compressors):
+        only_saved = sorted(set(sd) - set(compressors))[:1]
+        only_here = sorted(set(compressors) - set(sd))[:1]
+        why = f"its buckets differ (saved only: {only_saved or '-'}, here only: {only_here or '-'})"
+    else:
+        for key, c in compressors.items():
+            try:
+                c.load_state_dict(sd[key])
+            except LoCoStateMismatch as e:
+                why = f"{key}: {e}"
+                break
+    if why is not None:
+        for c in compressors.values():
+            c.reset()
+    return why
+
+
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 """Elements the torch path compensates/quantises at a time: 2 fp32 scratch buffers of
 16 MiB each, whatever the bucket size (``--no-overlap-grad-reduce`` makes a whole

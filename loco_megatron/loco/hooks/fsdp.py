@@ -37,7 +37,7 @@ import torch.distributed as dist
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_all_gather_sum,
                                             decompress_into, gathered_layout)
-from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
+from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
@@ -226,19 +226,8 @@ class FsdpGradHook:
         if sd and not self.compressors:
             self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
             return
-        why = None
-        if set(sd) != set(self.compressors):
-            why = "its buckets differ"
-        else:
-            for key, c in self.compressors.items():
-                try:
-                    c.load_state_dict(sd[key])
-                except LoCoStateMismatch as e:
-                    why = f"{key}: {e}"
-                    break
+        why = load_compressor_states(self.compressors, sd)
         if why is not None:
-            for c in self.compressors.values():
-                c.reset()
             self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
                       f"starting the error buffers at zero")
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter, decompress_into
-from loco_megatron.loco.compressor import LoCoCompressor, LoCoStateMismatch
+from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
@@ -377,23 +377,10 @@ class GradSyncHook:
         was written under another layout (the loader said so): the buffers stay at zero."""
         if sd is None:
             return
-        why = None
         if sd and not self.compressors:
             self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
             return
-        if set(sd) != set(self.compressors):
-            only_saved = sorted(set(sd) - set(self.compressors))[:1]
-            only_here = sorted(set(self.compressors) - set(sd))[:1]
-            why = f"its buckets differ (saved only: {only_saved or '-'}, here only: {only_here or '-'})"
-        else:
-            for key, c in self.compressors.items():
-                try:
-                    c.load_state_dict(sd[key])
-                except LoCoStateMismatch as e:
-                    why = f"{key}: {e}"
-                    break
+        why = load_compressor_states(self.compressors, sd)
         if why is not None:
-            for c in self.compressors.values():
-                c.reset()
             self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
                       f"starting the error buffers at zero")
