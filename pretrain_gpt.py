@@ -33,9 +33,11 @@ def main() -> int:
             report_error(e, 0)
             return 2
         return 0
+    from loco_megatron.training.children import die_with_parent
     from loco_megatron.training.health import RunAborted
     from loco_megatron.training.trainer import train  # heavy imports after parsing
 
+    die_with_parent()  # megatron's forked checkpoint writers must not outlive a killed rank
     try:
         train(config, env)
     except ConfigError as e:

@@ -29,7 +29,7 @@ def _run(args, cache, tmp_path, name, env_extra=None, launcher_args=()):
 
 def _wait_for_iteration(metrics: pathlib.Path, proc, iteration: int) -> None:
     while not any(m.get("iteration", 0) >= iteration for m in read_metrics(metrics)):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else "launcher exited"
         time.sleep(0.2)
 
 
@@ -43,6 +43,40 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
         if "RANK" in env:
             out[int(env["RANK"])] = pid
     return out
+
+
+def _forked_writer(rank_pid: int, timeout: float = 120) -> int:
+    """Wait until the rank has a forked child running its own program (megatron's shard writer
+    during a torch_dist save; the resource tracker execs another command line); its pid."""
+    cmdline = pathlib.Path(f"/proc/{rank_pid}/cmdline").read_bytes()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            children = pathlib.Path(f"/proc/{rank_pid}/task/{rank_pid}/children").read_text().split()
+        except FileNotFoundError:
+            break
+        for pid in children:
+            try:
+                if pathlib.Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline:
+                    return int(pid)
+            except FileNotFoundError:
+                pass
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank_pid} forked no checkpoint writer within {timeout}s")
+
+
+def _sessions(sids: set[int]) -> list[int]:
+    """Pids of the live processes in the sessions ``sids`` (torchrun starts each worker in a
+    session of its own; what a worker forks stays in it, also after the worker died)."""
+    pids = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[3]) in sids and fields[0] not in ("Z", "X"):  # fields: state ppid pgrp session
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def _digests(folder: pathlib.Path) -> dict[str, str]:
@@ -110,24 +144,47 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_exact(cache_dir, tmp_p
 def test_max_restarts_resumes_after_a_killed_worker(cache_dir, tmp_path, uninterrupted):
     """Guards against in-job restarts that cannot work: torch 2.13's shared rendezvous store
     made the restarted group fail ("Gloo connectFullMesh failed"); the launcher must restart
-    the group, which resumes from the latest checkpoint and ends with the same losses."""
+    the group, which resumes from the latest checkpoint and ends with the same losses. Also
+    against megatron's forked shard writer outliving the rank killed mid-save: it blocked on a
+    lock the dead rank held, forever, keeping the job's output open (hung CI for 10 minutes)."""
     import sys
 
     sys.path.insert(0, str(REPO / "tools"))
     from compare_runs import load_run
 
-    ck, metrics = tmp_path / "ck", tmp_path / "restart.jsonl"
+    ck, metrics, log = tmp_path / "ck", tmp_path / "restart.jsonl", tmp_path / "restart.log"
     env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS="1", OMP_NUM_THREADS="1",
                TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
     proc = subprocess.Popen(["bash", "tools/launch_single_node.sh", "configs/tiny_gpt.yaml", *RESUME_ARGS,
                              "--save", str(ck), "--load", str(ck), "--save-interval", "2",
                              "--data-cache-path", cache_dir, "--metrics-jsonl", str(metrics)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # a file, not a pipe: a leftover holding it cannot hang the test
     _wait_for_iteration(metrics, proc, 5)
-    os.kill(_workers(proc.pid)[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=600)
+    workers = _workers(proc.pid)
+    rank1 = workers[1]
+    # Kill rank 1 mid-save (iteration 6) while it waits for its shard writer: freeze the
+    # writer so the rank surely reaches that wait, kill the rank, let the writer go on.
+    writer = _forked_writer(rank1)
+    os.kill(writer, signal.SIGSTOP)
+    time.sleep(1.0)
+    os.kill(rank1, signal.SIGKILL)
+    try:
+        os.kill(writer, signal.SIGCONT)
+    except ProcessLookupError:  # already gone with its rank: the fix at work
+        pass
+    try:
+        proc.wait(timeout=600)
+    finally:
+        leftovers = _sessions({proc.pid, *workers.values()})  # e.g. the killed rank's shard writer
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = log.read_text()
     assert proc.returncode == 0, out[-3000:]
+    assert not leftovers, f"processes outlived the job: {leftovers}"
     assert out.count("resuming from") == 1, out[-3000:]  # the restarted group resumed
     losses = {r["iteration"]: r["train/lm_loss"] for r in load_run(str(metrics)).train}
     assert losses == uninterrupted
