@@ -76,10 +76,11 @@ def measured_table(models: dict, settings: dict, iters: int, cache: str) -> str:
 
 
 def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, recompute: str, sp: bool,
-             micro_batch: int | None = None, loco_bits: int = 4, etp: int | None = None, vocab: int = 32000) -> dict:
+             micro_batch: int | None = None, loco_bits: int = 4, etp: int | None = None, vocab: int = 32000,
+             extra: dict | None = None) -> dict:
     """Bytes per GPU on the first pipeline stage for ``config_file`` in one layout
     (world = TP x PP x DP; see :func:`loco_megatron.training.memory_estimate.estimate`);
-    ``micro_batch`` None: the config's."""
+    ``micro_batch`` None: the config's; ``extra``: more flag values (Megatron-FSDP's)."""
     values = load_yaml_config(config_file)
     micro_batch = micro_batch or values.get("micro_batch_size", 4)
     values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
@@ -89,6 +90,7 @@ def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, reco
                   recompute_granularity=None if recompute == "none" else recompute,
                   recompute_method="uniform" if recompute == "full" else None)
     values["global_batch_size"] = micro_batch * dp * pp * 8  # any batch the layout accepts
+    values.update(extra or {})
     return estimate(make_config(values), tp * pp * dp, vocab)
 
 
@@ -141,6 +143,37 @@ def analytic_table() -> str:
     return "\n".join(rows)
 
 
+# Data parallelism over 16 GPUs = 2 nodes x 8, full recomputation: what each way of sharding
+# keeps per GPU. LoCo 4-bit where it applies (flat FSDP with LoCo is refused, docs/fsdp.md).
+SHARDING = {
+    "distributed optimizer (DDP), LoCo 4-bit": {"loco_bits": 4},
+    "Megatron-FSDP HSDP 2 x 8, ZeRO-3, LoCo 4-bit": {
+        "use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2, "loco_ranks_per_node": 8,
+        "ckpt_format": "torch", "loco_bits": 4},
+    "Megatron-FSDP HSDP 2 x 8, optim_grads, LoCo 4-bit": {
+        "use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2, "loco_ranks_per_node": 8,
+        "data_parallel_sharding_strategy": "optim_grads", "ckpt_format": "torch", "loco_bits": 4},
+    "Megatron-FSDP flat over 16, ZeRO-3, no LoCo": {"use_megatron_fsdp": True, "ckpt_format": "torch",
+                                                     "loco_bits": 0},
+}
+
+
+def sharding_table() -> str:
+    rows = ["| config | sharding | weights | grads | optimizer | LoCo error + workspace | activations | total GiB | "
+            "vs distributed optimizer |", "|" + "---|" * 9]
+    for cfg in ("configs/llama2_7b.yaml", "configs/llama3_8b.yaml", "configs/llama2_13b.yaml"):
+        stem, base = pathlib.Path(cfg).stem, None
+        for name, extra in SHARDING.items():
+            r = analytic(str(REPO / cfg), 1, 1, 16, 1, 1, "full", False, vocab=VOCAB.get(stem, 32000),
+                         loco_bits=extra["loco_bits"], extra=extra)
+            base = base or r["total"]
+            gib = {k: v / GIB for k, v in r.items()}
+            rows.append(f"| {stem} | {name} | {gib['weights']:.1f} | {gib['grads']:.1f} | {gib['optimizer']:.1f} | "
+                        f"{gib['loco_error'] + gib['loco_workspace']:.1f} | {gib['activations']:.1f} | "
+                        f"{gib['total']:.3g} | x{r['total'] / base:.2f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model, two settings, 2 steps")
@@ -151,6 +184,8 @@ def main() -> None:
     print("Analytic, per GPU on the first pipeline stage, each config's micro batch, LoCo 4-bit, bf16 weights, "
           "fp32 grads (budget: 92% of the card):\n")
     print(analytic_table(), flush=True)
+    print("\nDistributed optimizer vs Megatron-FSDP, analytic, per GPU, DP 16 = 2 nodes x 8, full recomputation:\n")
+    print(sharding_table(), flush=True)
     if args.analytic_only:
         return
     cache = args.data_cache_path or str(pathlib.Path.home() / ".cache" / "loco_megatron")

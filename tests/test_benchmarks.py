@@ -135,6 +135,36 @@ def test_memory_analytic_table_backs_the_configs():
         assert r["total"] == pytest.approx(sum(v for k, v in r.items() if k not in ("total", "params")))
 
 
+def test_fsdp_memory_estimate_shards_what_the_strategy_says():
+    """Guards against the memory estimate (``--dry-run``, benchmarks/memory.py) ignoring
+    --use-megatron-fsdp: counting full weights/gradients under ZeRO-3, sharding the optimizer
+    over all of DP instead of the HSDP sharding group, or a LoCo error buffer of the whole
+    gradient where FSDP's hook keeps one of the shard."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from memory import analytic
+
+    cfg = str(REPO / "configs" / "llama2_7b.yaml")
+    hsdp = {"use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2, "loco_ranks_per_node": 8,
+            "ckpt_format": "torch"}
+
+    def est(extra, bits=4):
+        return analytic(cfg, 1, 1, 16, 1, 1, "full", False, loco_bits=bits, extra={**extra, "loco_bits": bits})
+
+    ddp = est({})
+    by_strategy = {s: est({**hsdp, "data_parallel_sharding_strategy": s})
+                   for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+    params = ddp["params"]
+    zero3 = by_strategy["optim_grads_params"]
+    assert zero3["optimizer"] == pytest.approx(12 * params / 8)  # the sharding group: 16 ranks / 2 instances
+    assert zero3["loco_error"] == pytest.approx(params / 8 * (1 + 4 / 256))
+    assert ddp["optimizer"] == pytest.approx(12 * params / 16) and ddp["loco_error"] > 7 * zero3["loco_error"]
+    totals = [by_strategy[s]["total"] for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    assert by_strategy["optim"]["weights"] == ddp["weights"] and zero3["weights"] < ddp["weights"] / 4
+    flat = est({"use_megatron_fsdp": True, "ckpt_format": "torch"}, bits=0)
+    assert flat["weights"] < zero3["weights"] and flat["optimizer"] == pytest.approx(12 * params / 16)
+
+
 def test_report_rewrites_only_the_named_section(tmp_path, monkeypatch):
     """Guards against `report.py --sections 2bit|checkpoint` clobbering the rest of the page,
     inserting a section twice on a second run or out of numeric order, or a 2-bit headline

@@ -23,6 +23,15 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
 
 Dense parameters are split by TP x PP, expert parameters by ETP x EP x PP. Not counted: the
 CUDA context and allocator fragmentation (add ~5-10%).
+
+With --use-megatron-fsdp (data parallelism only) the sharding group is DP /
+--num-distributed-optimizer-instances ranks, and --data-parallel-sharding-strategy says what
+it shards: ``optim`` the optimizer state, ``optim_grads`` also the gradients,
+``optim_grads_params`` also the weights (``no_shard`` nothing). A sharded part costs its
+full size / group size, plus, for weights and gradients, the unsharded units in flight:
+two FSDP units (a transformer layer or the embedding, whichever is larger: the one computed
+and the one prefetched) of weights, one of gradients. The LoCo error is per shard (HSDP's
+cross-node reduction compresses the rank's shard only, docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -63,6 +72,24 @@ def _activations(config: Config) -> float:
     return stored * layers * in_flight
 
 
+def _fsdp_parts(config: Config, here: float, dp: int, vocab: int, weight_bytes: int, grad_bytes: int,
+                optimizer_bytes: int) -> dict:
+    """Weights, gradients, optimizer and LoCo error under Megatron-FSDP (see the module doc)."""
+    m, p, lc = config.model, config.parallel, config.loco
+    group = dp // p.num_distributed_optimizer_instances
+    strategy = p.data_parallel_sharding_strategy
+    unit = max((here - vocab * m.hidden_size) / m.num_layers, vocab * m.hidden_size)  # largest FSDP unit
+    shards_weights = strategy == "optim_grads_params"
+    shards_grads = shards_weights or strategy == "optim_grads"
+    shard_elements = here / group
+    return {
+        "weights": weight_bytes * (shard_elements + 2 * unit) if shards_weights else weight_bytes * here,
+        "grads": grad_bytes * (shard_elements + unit) if shards_grads else grad_bytes * here,
+        "optimizer": optimizer_bytes * (here if strategy == "no_shard" else shard_elements),
+        "loco_error": shard_elements * (1 + 4 / lc.loco_block_size) if lc.loco_bits else 0,
+    }
+
+
 def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     """Bytes per GPU (see the module doc) for ``config`` on ``world_size`` ranks, with a
     ``vocab_size``-token tokenizer (padded here as the model pads it). Keys: :data:`PARTS`,
@@ -82,16 +109,20 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     here = dense_here + experts_here
     shard = (dp, expert_dp or 1) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
+    weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)
     block = lc.loco_block_size
     bucket = min(p.ddp_bucket_size or DDP_BUCKET, here)  # no bucket outgrows the rank's parameters
     out = {
-        "weights": (2 if m.bf16 else 4) * here,
-        "grads": (2 if p.grad_reduce_in_bf16 else 4) * here,
+        "weights": weight_bytes * here,
+        "grads": grad_bytes * here,
         "optimizer": optimizer_bytes * (dense_here / shard[0] + experts_here / shard[1]),
         "loco_error": here * (1 + 4 / block) if lc.loco_bits else 0,
         "loco_workspace": (2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block)) if lc.loco_bits else 0,
         "activations": _activations(config),
     }
+    if p.use_megatron_fsdp:
+        out.update(_fsdp_parts(config, here, dp, padded_vocab_size(vocab_size, tp), weight_bytes, grad_bytes,
+                               optimizer_bytes))
     out["total"] = sum(out[k] for k in PARTS)
     out.update(params=total, dp=dp, expert_dp=expert_dp)
     return out
