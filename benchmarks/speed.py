@@ -29,7 +29,9 @@ two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``)
 ``loco4flat`` is the flat all-to-all for comparison; ``loco4p8`` / ``loco4p4`` add 8-/4-bit
 weight differences in the parameter all-gather (``--param-gather-bits``). Bytes are per
 rank per step: gradient bytes sent, the part sent to other nodes, and the parameter
-all-gather's gathered bytes.
+all-gather's gathered bytes. ``fsdp`` / ``fsdp4`` run Megatron-FSDP as HSDP (one instance
+per node, ZeRO-3 inside it) at full precision and with LoCo 4-bit on the cross-node
+reduction, multi-node topologies only, and print one line comparing the two.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from simcluster import SimCluster, SimClusterError, available  # noqa: E402
 
 import compare_runs  # noqa: E402
 
+_FSDP = ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "{nodes}", "--loco-ranks-per-node",
+         "{ranks}", "--ckpt-format", "torch"]  # {nodes}/{ranks}: filled in per topology
 VARIANTS = {
     "fp32": ("fp32 reduce-scatter", ["--loco-bits", "0"]),
     "bf16": ("bf16 reduce-scatter", ["--loco-bits", "0", "--grad-reduce-in-bf16"]),
@@ -61,7 +65,11 @@ VARIANTS = {
     "loco4flat": ("LoCo 4-bit, flat (no two-hop)", ["--loco-bits", "4", "--no-loco-hierarchical"]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
+    # Megatron-FSDP as HSDP, one instance per node (multi-node topologies only; docs/fsdp.md):
+    "fsdp": ("Megatron-FSDP HSDP, full precision", [*_FSDP, "--loco-bits", "0"]),
+    "fsdp4": ("Megatron-FSDP HSDP + LoCo 4-bit", [*_FSDP, "--loco-bits", "4"]),
 }
+FSDP_PAIR = ("fsdp", "fsdp4")
 
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
 # on a 1 Gbit/s link, small enough for a 2-core CPU.
@@ -166,6 +174,13 @@ def table(groups: dict, baseline: str = "bf16") -> str:
                 f"| {r['param_bytes_per_step']:,.0f} "
                 f"| {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
                 f"| {base['step_s'] / r['step_s']:.2f}x |")
+        fsdp = {r["key"]: r for r in rows if r["key"] in FSDP_PAIR}
+        if len(fsdp) == 2:
+            f0, f4 = fsdp["fsdp"], fsdp["fsdp4"]
+            inter = (f"{f4['inter_bytes_per_step'] / f0['inter_bytes_per_step']:.3f}"
+                     if f0["inter_bytes_per_step"] else "n/a")
+            out.append(f"\n{f4['label']} vs {f0['label']}: step x{f4['step_s'] / f0['step_s']:.2f}, "
+                       f"comm total x{f4['comm_total_s'] / f0['comm_total_s']:.2f}, bytes to other nodes x{inter}")
     return "\n".join(out) + "\n"
 
 
@@ -214,12 +229,18 @@ def main() -> None:
             for v in variants:
                 if v == "loco4flat" and not (nodes > 1 and ranks > 1):
                     continue  # two-hop only differs with several nodes of several ranks
+                if v in FSDP_PAIR and nodes == 1:
+                    continue  # HSDP needs several nodes (flat FSDP with LoCo is refused)
                 label, flags = VARIANTS[v]
+                flags = [f.format(nodes=nodes, ranks=ranks) for f in flags]
+                base_args = model
+                if "--use-megatron-fsdp" in flags:  # Megatron-FSDP gathers parameters itself
+                    base_args = [a for a in model if a != "--overlap-param-gather"]
                 if "--grad-reduce-in-bf16" in flags and dtype != "bf16":
                     label, flags = f"{label} (bf16 compute)", [*flags, "--bf16"]  # megatron needs bf16 params
                 name = f"{topo}_{link}_{v}"
                 # One micro batch per rank per step: the same compute per rank on every topology.
-                run_args = [*model, *flags, "--global-batch-size", str(nodes * ranks), "--train-iters",
+                run_args = [*base_args, *flags, "--global-batch-size", str(nodes * ranks), "--train-iters",
                             str(args.iters), "--log-interval", str(log_interval)]
                 print(f"[{time.time() - t_start:6.0f}s] {name}", flush=True)
                 try:
