@@ -26,7 +26,8 @@ the baseline of the compute dtype (bf16 reduce-scatter, or fp32 with fp32 comput
 both baselines stay side by side in the table. LoCo compresses the fp32 buffer. A 1-node topology has no
 inter-node link, so it runs once, unshaped. With several ranks per node LoCo runs
 two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
-``loco4flat`` is the flat all-to-all for comparison; ``loco4p8`` / ``loco4p4`` add 8-/4-bit
+``loco4flat`` is the flat all-to-all for comparison, ``loco4i16`` two-hop with hop 1 at
+bf16 (no compression inside the node); ``loco4p8`` / ``loco4p4`` add 8-/4-bit
 weight differences in the parameter all-gather (``--param-gather-bits``). Bytes are per
 rank per step: gradient bytes sent, the part sent to other nodes, and the parameter
 all-gather's gathered bytes. ``fsdp`` / ``fsdp4`` run Megatron-FSDP as HSDP (one instance
@@ -63,6 +64,7 @@ VARIANTS = {
     "loco2": ("LoCo 2-bit", ["--loco-bits", "2"]),
     # Only where a node holds several ranks of a multi-node group (elsewhere it equals loco4):
     "loco4flat": ("LoCo 4-bit, flat (no two-hop)", ["--loco-bits", "4", "--no-loco-hierarchical"]),
+    "loco4i16": ("LoCo 4-bit, two-hop, bf16 inside the node", ["--loco-bits", "4", "--loco-intra-node-bits", "16"]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
     # Megatron-FSDP as HSDP, one instance per node (multi-node topologies only; docs/fsdp.md):
@@ -227,7 +229,7 @@ def main() -> None:
             topo = f"{nodes}x{ranks}"
             rows, files = [], []
             for v in variants:
-                if v == "loco4flat" and not (nodes > 1 and ranks > 1):
+                if v in ("loco4flat", "loco4i16") and not (nodes > 1 and ranks > 1):
                     continue  # two-hop only differs with several nodes of several ranks
                 if v in FSDP_PAIR and nodes == 1:
                     continue  # HSDP needs several nodes (flat FSDP with LoCo is refused)
