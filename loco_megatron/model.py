@@ -206,7 +206,7 @@ def _megatron_fsdp(config: Config, tconf, model, device: torch.device):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from loco_megatron.platform import megatron_fsdp_compat
+    from loco_megatron.platform import megatron_fsdp_compat, megatron_fsdp_synchronous_param_gather
 
     p = config.parallel
     ddp_config = DistributedDataParallelConfig(
@@ -218,7 +218,9 @@ def _megatron_fsdp(config: Config, tconf, model, device: torch.device):
         gradient_reduce_div_fusion=device.type == "cuda",
     )
     with megatron_fsdp_compat(device):
-        return FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model, device=device)
+        fsdp = FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model, device=device)
+    megatron_fsdp_synchronous_param_gather(fsdp, device)
+    return fsdp
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

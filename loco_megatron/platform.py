@@ -26,19 +26,25 @@ Two fixes apply on every host (:func:`megatron_fixes`):
   into lists.
 
 Everything patched is restored when the context exits.
+
+Megatron-FSDP on CPU: :func:`megatron_fsdp_compat` while it is built, and
+:func:`megatron_fsdp_synchronous_param_gather` on the built instance (its parameter
+all-gathers waited for as they are issued: overlapped gloo all-gathers corrupted the heap).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "megatron_fsdp_compat", "platform_context"]
+__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "megatron_fsdp_compat",
+           "megatron_fsdp_synchronous_param_gather", "platform_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +250,36 @@ def megatron_fsdp_compat(device: torch.device) -> Iterator[None]:
         if device.type != "cuda":
             _patch(stack, torch.cuda, "current_device", lambda: 0)
         yield
+
+
+def megatron_fsdp_synchronous_param_gather(fsdp: Any, device: torch.device) -> None:
+    """On CPU, every parameter all-gather of this Megatron-FSDP model (``fsdp``: megatron's
+    ``FullyShardedDataParallel``) has completed when megatron's call returns; on CUDA a no-op.
+
+    Why: with ``optim_grads_params`` Megatron-FSDP forces ``overlap_param_gather`` and issues
+    its parameter all-gathers with ``async_op`` (coalesced, one per bucket group): at the end
+    of ``optimizer.step()`` it starts gathering every bucket for the next forward and waits
+    for each only in that bucket's forward pre-hook, and the backward pre-hooks prefetch the
+    same way. On a GPU those gathers run on NCCL's stream. Under gloo they run on the process
+    group's worker threads while the host goes on (logging, checkpointing, the next step's
+    reduce-scatters), several of them at once on the same group, and the heap ended up
+    corrupted now and then (``malloc(): unaligned tcache chunk detected`` or SIGSEGV, raised
+    in a gloo worker thread; 5 of 6 300-step runs; docs/fsdp.md). Megatron's own
+    ``async_param_gather=False`` is passed instead (this instance only, nothing global):
+    the same pipeline, buckets, prefetch and order, each coalesced all-gather waited for as
+    it is issued."""
+    if device.type == "cuda":
+        return
+    pipeline = fsdp.module.all_gather_pipeline
+    gather = pipeline.all_gather_params
+    signature = inspect.signature(gather)
+
+    def all_gather_params_synchronously(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["async_param_gather"] = False
+        return gather(*bound.args, **bound.kwargs)
+
+    pipeline.all_gather_params = all_gather_params_synchronously
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@ randomly delayed (as tests/record_collectives.py), the compressed buckets' shard
 printed (``SHARDS rank=R numel=n1,n2,...``) and, before every step after the
 first, a check that every HSDP replica holds bit-identical parameter shards: each rank
 compares its local shards with the ranks of its outer (cross-node) group and prints
-``REPLICAS rank=R iter=I identical=B`` (one write per line)."""
+``REPLICAS rank=R iter=I identical=B`` (one write per line), and the number of
+asynchronous parameter all-gather handles Megatron-FSDP still holds when the previous
+optimizer step has returned (``GATHERS rank=R iter=I in_flight=N``)."""
 
 import json
 import os
@@ -21,6 +23,14 @@ from loco_megatron.training.trainer import train
 from record_collectives import recording_ops
 
 
+def gathers_in_flight(chunks) -> int:
+    """Work handles of asynchronous (coalesced) parameter all-gathers that Megatron-FSDP's
+    all-gather pipeline holds and has not waited for: 0 when every gather was synchronous
+    (``loco_megatron.platform.megatron_fsdp_synchronous_param_gather``)."""
+    return sum(len(getattr(event, "works", ())) for chunk in chunks
+               for event, _ in chunk.module.all_gather_pipeline.param_gather_event_map.values())
+
+
 class CheckedFsdpHook(FsdpGradHook):
     def __init__(self, chunks, loco, stats, ops):
         self._chunks, self._it = chunks, 0
@@ -35,7 +45,10 @@ class CheckedFsdpHook(FsdpGradHook):
     @iteration.setter
     def iteration(self, value: int) -> None:
         self._it = value
-        if value == 0 or self._outer is None:
+        if value == 0:
+            return
+        os.write(1, f"GATHERS rank={dist.get_rank()} iter={value} in_flight={gathers_in_flight(self._chunks)}\n".encode())
+        if self._outer is None:
             return
         local = [p.to_local() if hasattr(p, "to_local") else p for c in self._chunks for p in c.parameters()]
         flat = torch.cat([t.detach().reshape(-1).float() for t in local])

@@ -16,26 +16,6 @@ HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "
                "--micro-batch-size", "1", "--train-iters", "4"]
 
 
-def _run(nproc, args, cache_dir, tmp_path, fresh=(), name="run", **kw):
-    """``conftest.torchrun``, retried (at most twice) only when a rank was killed by SIGABRT
-    or SIGSEGV. Why: Megatron-FSDP of megatron-core 0.16.1 on CPU crashes now and then with
-    heap corruption, also with no LoCo hook at all (``tests/plain_megatron.py``; see
-    docs/fsdp.md, "Known problem"). Any other failure - a Python error, a wrong result - is
-    not retried and fails the test; every retry is printed. ``fresh``: paths the run
-    creates (a --save folder), removed before a retry along with its metrics file."""
-    for attempt in range(3):
-        try:
-            return torchrun(nproc, args, cache_dir, tmp_path, name=name, **kw)
-        except AssertionError as e:
-            crashed = "(SIGABRT)" in str(e) or "(SIGSEGV)" in str(e)
-            if not crashed or attempt == 2:
-                raise
-            print(f"Megatron-FSDP rank crashed (known CPU problem, docs/fsdp.md); retry {attempt + 1} of 2")
-            (tmp_path / f"{name}.jsonl").unlink(missing_ok=True)
-            for path in fresh:
-                shutil.rmtree(path, ignore_errors=True)
-
-
 def _grad_norms(metrics):
     return {m["iteration"]: m["train/grad_norm"] for m in metrics if "train/grad_norm" in m}
 
@@ -43,7 +23,7 @@ def _grad_norms(metrics):
 @pytest.fixture(scope="module")
 def uncompressed(cache_dir, tmp_path_factory):
     """The HSDP run with --loco-bits 0 (the FSDP hook installed, timing only)."""
-    return _run(4, HSDP + ["--loco-bits", "0"], cache_dir, tmp_path_factory.mktemp("off"))[1]
+    return torchrun(4, HSDP + ["--loco-bits", "0"], cache_dir, tmp_path_factory.mktemp("off"))[1]
 
 
 def test_loco_off_is_plain_megatron_fsdp(cache_dir, tmp_path, uncompressed):
@@ -51,7 +31,7 @@ def test_loco_off_is_plain_megatron_fsdp(cache_dir, tmp_path, uncompressed):
     (wrong arguments passed through, the outer reduction dropped or done twice): losses and
     gradient norms equal megatron-core's Megatron-FSDP with no hook, bit for bit, and the
     bytes counted are megatron's uncompressed reduce-scatter and all-reduce."""
-    _, plain = _run(4, HSDP, cache_dir, tmp_path, script="tests/plain_megatron.py", name="plain")
+    _, plain = torchrun(4, HSDP, cache_dir, tmp_path, script="tests/plain_megatron.py", name="plain")
     assert train_losses(uncompressed) == train_losses(plain) and len(train_losses(plain)) == 4
     assert _grad_norms(uncompressed) == _grad_norms(plain)
     last = [m for m in uncompressed if "comm/grad_bytes_sent" in m][-1]
@@ -66,9 +46,8 @@ def compressed(cache_dir, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCO_TEST_RECORD_DIR", str(out))
     try:
-        proc, metrics = _run(4, HSDP + ["--loco-bits", "4", "--save", str(out / "ck"), "--save-interval", "2",
-                                        "--ckpt-format", "torch"], cache_dir, out, fresh=[out / "ck"],
-                             script="tests/fsdp_check.py")
+        proc, metrics = torchrun(4, HSDP + ["--loco-bits", "4", "--save", str(out / "ck"), "--save-interval", "2",
+                                            "--ckpt-format", "torch"], cache_dir, out, script="tests/fsdp_check.py")
     finally:
         mp.undo()
     return proc, metrics, out
@@ -109,6 +88,20 @@ def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompre
     assert "LoCo memory on rank 0: error buffers" in proc.stdout
 
 
+def test_no_parameter_all_gather_left_in_flight_on_cpu(compressed):
+    """Guards against the heap corruption Megatron-FSDP caused on CPU (``malloc(): unaligned
+    tcache chunk detected`` / SIGSEGV in a gloo worker thread, in about one 300-step run of
+    two, also with no LoCo hook): megatron's overlapped parameter all-gathers - started at
+    the end of ``optimizer.step()`` for the next forward, prefetched in the backward - left
+    running on gloo's threads while the host went on. With
+    ``platform.megatron_fsdp_synchronous_param_gather`` every gather has completed when
+    megatron's call returns, so after each optimizer step megatron holds no asynchronous
+    gather handle on any rank (without it, every rank holds some after every step)."""
+    proc, _, _ = compressed
+    gathers = re.findall(r"GATHERS rank=(\d) iter=(\d+) in_flight=(\d+)", proc.stdout)
+    assert len(gathers) == 4 * 3 and all(n == "0" for _, _, n in gathers), gathers
+
+
 def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
     """Guards against a Megatron-FSDP checkpoint that loses the error buffers, the Adam
     state or the main weights (or leaves the model's gathered weights stale): resumed from
@@ -119,7 +112,7 @@ def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
     shutil.rmtree(ck / "iter_0000004")
     (ck / "latest_checkpointed_iteration.txt").write_text("2")
     args = HSDP + ["--loco-bits", "4", "--load", str(ck), "--ckpt-format", "torch"]
-    _, resumed = _run(4, args, cache_dir, tmp_path, name="resumed")
+    _, resumed = torchrun(4, args, cache_dir, tmp_path, name="resumed")
     want = {i: v for i, v in train_losses(full).items() if i > 2}
     assert train_losses(resumed) == want and len(want) == 2
     assert _grad_norms(resumed) == {i: v for i, v in _grad_norms(full).items() if i > 2}
