@@ -240,7 +240,7 @@ LOCO_INLINE void scales_range_opts(const CompressArgs& a, int64_t b0, int64_t b1
   const int B = static_cast<int>(a.B);
   for (int64_t b = b0; b < b1; ++b) {
     load_h_opts<T, HAS_ERR>(a, b, gb, h);
-    a.scales[b] = loco_opts::option_scale(h, a.opt, BITS, gb, t, B);
+    a.scales[b] = loco_opts::option_scale<BITS>(h, a.opt, gb, t, B);
   }
 }
 
@@ -262,7 +262,7 @@ LOCO_INLINE void compress_range_opts(const CompressArgs& a, int64_t b0, int64_t 
     float s;
     if (scales_known) s = a.scales[b];
     else {
-      s = loco_opts::option_scale(h, a.opt, BITS, q, r, B);  // q, r: scratch here
+      s = loco_opts::option_scale<BITS>(h, a.opt, q, r, B);  // q, r: scratch here
       a.scales[b] = s;
     }
     if (a.opt.stochastic) loco_opts::stochastic_levels(h, s, lo, hi, a.opt.key, b * a.B, q, B);
