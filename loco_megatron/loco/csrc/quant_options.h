@@ -287,8 +287,8 @@ template <int BITS>
 LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, float* t, float* e, int B) {
   constexpr int bits = BITS;
   bool nan;
-  float extreme;
-  const float m = max_abs_first(x, B, &nan, &extreme);
+  float extreme = 0.0f;
+  const float m = o.uniform ? max_abs_first(x, B, &nan, &extreme) : max_abs(x, B, &nan);
   float base;
   if (nan) base = std::numeric_limits<float>::quiet_NaN();
   else if (o.uniform) base = extreme / -static_cast<float>(1 << (bits - 1));
