@@ -298,11 +298,13 @@ def test_options_non_finite_gradient(ext, bad):
 
 
 @pytest.mark.parametrize("opts", [TWO_BIT, qz.QuantOptions("uniform", "mse", "none", "stochastic", seed=1)], ids=_name)
-@pytest.mark.parametrize("numel,rows,block", [(5, 4, 16), (3001, 3, 64), (9001, 2, 2048), (1001, 2, 24)])
+@pytest.mark.parametrize("numel,rows,block", [(5, 4, 16), (3001, 3, 64), (9001, 2, 2048), (1001, 2, 24),
+                                              (41, 2, 8), (1001, 3, 256)])
 def test_options_rows_blocks_and_decompress(ext, opts, numel, rows, block):
     """Guards against the options path mishandling rows (ragged last row, padding), block
-    sizes (the 8-element butterflies and one more pass, long blocks, the tree sum of a non-power-of-two
-    block), the chunked two-pass reference disagreeing with the one-pass kernel, and the
+    sizes (the 8-element butterflies alone with the signs and scale fused in, and with
+    more passes, long blocks, the tree sum of a non-power-of-two block, the 2-bit copy
+    compiled for 256-element blocks with partial blocks at the rows' ends), the chunked two-pass reference disagreeing with the one-pass kernel, and the
     fused decompress-and-sum not unrotating (or unrotating after the scaling): compress
     and then decompress every rank's shard bit-identically to the reference."""
     if opts.rotation == "hadamard" and block & (block - 1):

@@ -39,8 +39,10 @@ is reused at load time)."""
 
 
 NAME = "loco_cpu_kernels"
-BUILD_NOTE = "building LoCo's C++ CPU kernels (first use only, ~1 min; cached in torch's extensions folder)"
-"""The line printed before a build (measured: 69 s on 2 busy cores with a fresh TORCH_EXTENSIONS_DIR)."""
+BUILD_NOTE = "building LoCo's C++ CPU kernels (first use only, ~2 min; cached in torch's extensions folder)"
+"""The line printed before a build (measured with a fresh TORCH_EXTENSIONS_DIR on 2 busy cores, load
+average about 6: 3 min 37 s, 1 min 55 s of CPU; 2 min 28 s, 1 min 24 s of CPU before the 2-bit copy for
+256-element blocks and the vectorised rotation and mse search)."""
 
 
 def needs_build() -> bool:

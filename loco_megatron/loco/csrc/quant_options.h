@@ -7,8 +7,12 @@
 // rest, so no multiply-add is fused unless written as std::fma).
 #pragma once
 
+// v8f values pass between always-inlined helpers only, never across an ABI boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace loco_opts {
@@ -16,7 +20,7 @@ namespace loco_opts {
 #define LOCO_OPT_INLINE inline __attribute__((always_inline))
 
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 half to even
-constexpr int kNumClip = 6;
+constexpr int kNumClip = 6;  // even: the search takes the candidates two at a time
 // quantize.MSE_CLIP_RATIOS as fp32 (torch multiplies an fp32 tensor by fp32(c)).
 constexpr float kClip[kNumClip] = {1.0f, 0.9f, 0.8f, 0.7f, 0.6f, 0.5f};
 // fp32(1 / fp32(c)), correctly rounded, as torch divides two fp32 scalars.
@@ -31,47 +35,78 @@ struct Options {
   uint32_t key;        // quantize.noise_key(seed, stream, step)
 };
 
+// Eight floats as one GCC vector: each instruction-set copy lowers it to its own registers
+// (two SSE halves, one AVX register). Blocks are a multiple of 8 elements.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+LOCO_OPT_INLINE v8f ld8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+LOCO_OPT_INLINE void st8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+// One butterfly pass of stride h < 8 within each group of 8: the partner p of every lane,
+// then p + v (the low lane: u + w) or p + (-v) (the high lane: u - w), the same roundings
+// as the reference's a + b and a - b (v * -1 is exact; x + (-y) is x - y in IEEE).
+LOCO_OPT_INLINE v8f butterfly8(v8f v, v8i partner, v8f sign) { return __builtin_shuffle(v, partner) + v * sign; }
+
+// The finishing multiplies of a transform: x * scale, then * signs[i] when signs is set.
+struct Post {
+  float scale;
+  const float* signs;
+};
+
+LOCO_OPT_INLINE v8f post8(v8f v, const Post& p, int i) {
+  v = v * p.scale;
+  return p.signs != nullptr ? v * ld8(p.signs + i) : v;
+}
+
 // Unnormalised fast Walsh-Hadamard transform of one block in place: rotation._wht's
-// butterfly passes h = 1, 2, 4, ... in that order (each output is the same expression).
-LOCO_OPT_INLINE void fwht(float* x, int B) {
-  // h = 1, 2, 4 within each group of 8, unrolled (the reference's first three passes;
-  // blocks are a multiple of 8 elements).
+// butterfly passes h = 1, 2, 4, ... in that order (each output is the same expression),
+// with the multiply by `pre` (signs, or null) before it and `post` after it fused into the
+// first and the last sweep. Passes 1, 2, 4 run in registers per group of 8; the rest two
+// at a time (h and 2h over 4 vectors), so the block is swept about log4(B) times.
+LOCO_OPT_INLINE void fwht(float* x, int B, const float* pre, const Post& post) {
+  const v8i p1 = {1, 0, 3, 2, 5, 4, 7, 6}, p2 = {2, 3, 0, 1, 6, 7, 4, 5}, p4 = {4, 5, 6, 7, 0, 1, 2, 3};
+  const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1}, s2 = {1, 1, -1, -1, 1, 1, -1, -1}, s4 = {1, 1, 1, 1, -1, -1, -1, -1};
   for (int j = 0; j < B; j += 8) {
-    float* v = x + j;
-    const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-    const float a4 = v[4] + v[5], a5 = v[4] - v[5], a6 = v[6] + v[7], a7 = v[6] - v[7];
-    const float b0 = a0 + a2, b1 = a1 + a3, b2 = a0 - a2, b3 = a1 - a3;
-    const float b4 = a4 + a6, b5 = a5 + a7, b6 = a4 - a6, b7 = a5 - a7;
-    v[0] = b0 + b4; v[1] = b1 + b5; v[2] = b2 + b6; v[3] = b3 + b7;
-    v[4] = b0 - b4; v[5] = b1 - b5; v[6] = b2 - b6; v[7] = b3 - b7;
+    v8f v = ld8(x + j);
+    if (pre != nullptr) v = v * ld8(pre + j);
+    v = butterfly8(butterfly8(butterfly8(v, p1, s1), p2, s2), p4, s4);
+    st8(x + j, B == 8 ? post8(v, post, j) : v);
   }
-  for (int h = 8; h < B; h *= 2)
-    for (int j = 0; j < B; j += 2 * h) {
-      float* lo = x + j;
-      float* hi = x + j + h;
-#pragma omp simd
-      for (int k = 0; k < h; ++k) {
-        const float u = lo[k], w = hi[k];
-        lo[k] = u + w;
-        hi[k] = u - w;
+  int h = 8;
+  for (; 4 * h <= B; h *= 4) {
+    const bool last = 4 * h == B;
+    for (int j = 0; j < B; j += 4 * h)
+      for (int k = j; k < j + h; k += 8) {
+        const v8f a = ld8(x + k), b = ld8(x + k + h), c = ld8(x + k + 2 * h), d = ld8(x + k + 3 * h);
+        const v8f ab = a + b, amb = a - b, cd = c + d, cmd = c - d;  // pass h
+        v8f r0 = ab + cd, r1 = amb + cmd, r2 = ab - cd, r3 = amb - cmd;  // pass 2h
+        if (last) {
+          r0 = post8(r0, post, k), r1 = post8(r1, post, k + h);
+          r2 = post8(r2, post, k + 2 * h), r3 = post8(r3, post, k + 3 * h);
+        }
+        st8(x + k, r0), st8(x + k + h, r1), st8(x + k + 2 * h, r2), st8(x + k + 3 * h, r3);
       }
+  }
+  if (2 * h == B)  // one pass left, the last
+    for (int k = 0; k < h; k += 8) {
+      const v8f u = ld8(x + k), w = ld8(x + k + h);
+      st8(x + k, post8(u + w, post, k));
+      st8(x + k + h, post8(u - w, post, k + h));
     }
 }
 
 // rotation.rotate: H (d * x) * fp32(B^-0.5).
-LOCO_OPT_INLINE void rotate(float* x, const Options& o, int B) {
-#pragma omp simd
-  for (int i = 0; i < B; ++i) x[i] *= o.signs[i];
-  fwht(x, B);
-#pragma omp simd
-  for (int i = 0; i < B; ++i) x[i] *= o.rot_scale;
-}
+LOCO_OPT_INLINE void rotate(float* x, const Options& o, int B) { fwht(x, B, o.signs, Post{o.rot_scale, nullptr}); }
 
 // rotation.unrotate: (H y) * fp32(B^-0.5) * d.
 LOCO_OPT_INLINE void unrotate(float* x, const float* signs, float rot_scale, int B) {
-  fwht(x, B);
-#pragma omp simd
-  for (int i = 0; i < B; ++i) x[i] = (x[i] * rot_scale) * signs[i];
+  fwht(x, B, nullptr, Post{rot_scale, signs});
 }
 
 // quantize.tree_sum_: halve the length L by adding x[m + i] into x[i] (m = ceil(L/2))
@@ -86,6 +121,26 @@ LOCO_OPT_INLINE float tree_sum(float* x, int L) {
   return x[0];
 }
 
+// tree_sum of two arrays at once, for a power-of-two L >= 8: the halvings above 8
+// elements as whole vectors, the last three within one vector (the same additions in the
+// same order; the two independent chains overlap).
+LOCO_OPT_INLINE void tree_sum2(float* x, float* y, int L, float* sx, float* sy) {
+  while (L > 8) {
+    L /= 2;
+    for (int i = 0; i < L; i += 8) {
+      st8(x + i, ld8(x + i) + ld8(x + L + i));
+      st8(y + i, ld8(y + i) + ld8(y + L + i));
+    }
+  }
+  v8f u = ld8(x), v = ld8(y);
+  const v8i h4 = {4, 5, 6, 7, 4, 5, 6, 7}, h2 = {2, 3, 2, 3, 2, 3, 2, 3}, h1 = {1, 1, 1, 1, 1, 1, 1, 1};
+  u = u + __builtin_shuffle(u, h4), v = v + __builtin_shuffle(v, h4);
+  u = u + __builtin_shuffle(u, h2), v = v + __builtin_shuffle(v, h2);
+  u = u + __builtin_shuffle(u, h1), v = v + __builtin_shuffle(v, h1);
+  *sx = u[0];
+  *sy = v[0];
+}
+
 // max |x| of a block; *nan: whether it holds a NaN (torch.amax propagates it).
 LOCO_OPT_INLINE float max_abs(const float* x, int B, bool* nan) {
   float m = 0.0f;
@@ -96,6 +151,41 @@ LOCO_OPT_INLINE float max_abs(const float* x, int B, bool* nan) {
     m = v > m ? v : m;
     any_nan |= (v != v);
   }
+  *nan = any_nan != 0;
+  return m;
+}
+
+// max |x| of a block (*nan: whether it holds a NaN) and *first, the first element of that
+// magnitude with its sign (quantize._signed_extreme; a zero block gives x[0], signed), in
+// one sweep: per lane the largest magnitude seen, its first value and position (-1 starts
+// below every magnitude, so each lane takes its first element), then, among the lanes
+// holding the block's max, the lowest position.
+LOCO_OPT_INLINE float max_abs_first(const float* x, int B, bool* nan, float* first) {
+  const v8i abs_mask = {0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
+                        0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF};
+  v8f mv = {-1, -1, -1, -1, -1, -1, -1, -1}, fv = {};
+  v8i jv = {}, nv = {};
+  for (int j = 0; j < B; j += 8) {
+    const v8f v = ld8(x + j);
+    const v8f a = reinterpret_cast<v8f>(reinterpret_cast<v8i>(v) & abs_mask);
+    const v8i gt = a > mv;
+    mv = gt ? a : mv;
+    fv = gt ? v : fv;
+    jv = gt ? j : jv;
+    nv |= v != v;
+  }
+  float m = mv[0];
+  int any_nan = nv[0];
+  for (int l = 1; l < 8; ++l) {
+    m = mv[l] > m ? mv[l] : m;
+    any_nan |= nv[l];
+  }
+  int pos = B;
+  for (int l = 0; l < 8; ++l)
+    if (mv[l] == m && jv[l] + l < pos) {
+      pos = jv[l] + l;
+      *first = fv[l];
+    }
   *nan = any_nan != 0;
   return m;
 }
@@ -147,24 +237,62 @@ LOCO_OPT_INLINE void stochastic_levels(const float* x, float s, float lo, float 
   }
 }
 
+constexpr int32_t kMagicBits = 0x4B400000;  // the bits of kMagic: those of kMagic + k are kMagicBits + k
+
+// clamp(round-half-even(y), lo, hi) as a float, lo/hi given as kMagicBits + level: y + M
+// holds the rounded level in its low bits (|y| < 2**22), so the clamp is two integer
+// max/min instructions; beyond 2**22 the bits still order like y and clamp to the same
+// end. A NaN y gives lo or hi: callers that keep NaN (as 0) test y themselves.
+LOCO_OPT_INLINE float round_clamp(float y, int32_t lo_bits, int32_t hi_bits) {
+  int32_t u = __builtin_bit_cast(int32_t, y + kMagic);
+  u = u > lo_bits ? u : lo_bits;
+  u = u < hi_bits ? u : hi_bits;
+  return __builtin_bit_cast(float, u) - kMagic;
+}
+
+// The first three tree halvings of candidates c and c + 1's squared errors (t - q*c)^2,
+// q the clamped nearest level of t * fp32(1/c), into e0 and e1 ([B/8] each; t: [B], B a
+// multiple of 8, so each halving splits an even length: element i of the third level is
+// ((sq[i] + sq[i+4E]) + (sq[i+2E] + sq[i+6E])) + ((sq[i+E] + sq[i+5E]) + (sq[i+3E] + sq[i+7E])),
+// E = B/8, exactly what tree_sum adds). 2-bit levels are 0, +-1 or +-2, so q*c is exact
+// and t - q*c has one rounding whether the product is rounded first (the reference) or
+// fused (std::fma, one instruction).
+template <int BITS>
+LOCO_OPT_INLINE void candidate_errors(const float* t, int B, float lo, float hi, int c, float* e0, float* e1) {
+  const float c0 = kClip[c], i0 = kInvClip[c], c1 = kClip[c + 1], i1 = kInvClip[c + 1];
+  const int E = B / 8;
+  const int32_t lo_bits = kMagicBits + static_cast<int32_t>(lo), hi_bits = kMagicBits + static_cast<int32_t>(hi);
+  auto sq = [lo_bits, hi_bits](float x, float cc, float inv) {
+    const float v = round_clamp(x * inv, lo_bits, hi_bits);  // a NaN t has a NaN error with any level
+    const float r = BITS == 2 ? std::fma(v, -cc, x) : x - v * cc;  // else two roundings (mul, then sub)
+    return r * r;
+  };
+#pragma omp simd
+  for (int i = 0; i < E; ++i) {
+    const float x0 = t[i], x1 = t[i + E], x2 = t[i + 2 * E], x3 = t[i + 3 * E];
+    const float x4 = t[i + 4 * E], x5 = t[i + 5 * E], x6 = t[i + 6 * E], x7 = t[i + 7 * E];
+    e0[i] = ((sq(x0, c0, i0) + sq(x4, c0, i0)) + (sq(x2, c0, i0) + sq(x6, c0, i0))) +
+            ((sq(x1, c0, i0) + sq(x5, c0, i0)) + (sq(x3, c0, i0) + sq(x7, c0, i0)));
+    e1[i] = ((sq(x0, c1, i1) + sq(x4, c1, i1)) + (sq(x2, c1, i1) + sq(x6, c1, i1))) +
+            ((sq(x1, c1, i1) + sq(x5, c1, i1)) + (sq(x3, c1, i1) + sq(x7, c1, i1)));
+  }
+}
+
 // quantize.option_scales of one block: the absmax (or signed-extreme) scale `base`; for
 // mse the candidate base * c, c in kClip, whose nearest levels have the least squared
 // error, searched in units of the base (t = x / base, one division per element; level
 // round(t * fp32(1/c)), error (t - q*c)^2 summed by tree_sum). Ties keep the larger c; a
 // NaN error never wins (a non-finite or zero base keeps c = 1). t and e: B floats each.
-LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, int bits, float* t, float* e, int B) {
+template <int BITS>
+LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, float* t, float* e, int B) {
+  constexpr int bits = BITS;
   bool nan;
-  const float m = max_abs(x, B, &nan);
+  float extreme = 0.0f;
+  const float m = o.uniform ? max_abs_first(x, B, &nan, &extreme) : max_abs(x, B, &nan);
   float base;
   if (nan) base = std::numeric_limits<float>::quiet_NaN();
-  else if (o.uniform) {
-    int first = B;  // the first element of largest magnitude, with its sign
-#pragma omp simd reduction(min : first)
-    for (int i = 0; i < B; ++i) first = (std::fabs(x[i]) == m && i < first) ? i : first;
-    base = x[first] / -static_cast<float>(1 << (bits - 1));
-  } else {
-    base = m / static_cast<float>((1 << (bits - 1)) - 1);
-  }
+  else if (o.uniform) base = extreme / -static_cast<float>(1 << (bits - 1));
+  else base = m / static_cast<float>((1 << (bits - 1)) - 1);
   if (!o.mse) return base;
   const float lo = o.uniform ? -static_cast<float>(1 << (bits - 1)) : -static_cast<float>((1 << (bits - 1)) - 1);
   const float hi = static_cast<float>((1 << (bits - 1)) - 1);
@@ -173,23 +301,22 @@ LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, int bits, f
   for (int i = 0; i < B; ++i) t[i] = x[i] / d;
   int best = 0;
   float best_e = 0.0f;
-  const int H = B / 2;  // B is even (a multiple of 8): the tree's first halving is fused below
-  for (int c = 0; c < kNumClip; ++c) {
-    const float cc = kClip[c], inv = kInvClip[c];
-#pragma omp simd
-    for (int i = 0; i < H; ++i) {
-      float v = (t[i] * inv + kMagic) - kMagic, w = (t[i + H] * inv + kMagic) - kMagic;
-      v = v < lo ? lo : v;
-      v = v > hi ? hi : v;
-      w = w < lo ? lo : w;
-      w = w > hi ? hi : w;
-      const float r = t[i] - v * cc, u = t[i + H] - w * cc;  // two roundings (mul, then sub)
-      e[i] = r * r + u * u;  // tree_sum's first step over the B squares
-    }
-    const float err = tree_sum(e, H);
-    if (c == 0 || err < best_e) {
+  const int H = B / 8;  // the tree's first three halvings are fused into the sweep
+  // Two candidates per sweep over t (t is read once for both).
+  float* e2 = e + H;
+  const bool pow2 = H >= 8 && (H & (H - 1)) == 0;
+  for (int c = 0; c < kNumClip; c += 2) {
+    candidate_errors<BITS>(t, B, lo, hi, c, e, e2);
+    float err0, err1;
+    if (pow2) tree_sum2(e, e2, H, &err0, &err1);
+    else err0 = tree_sum(e, H), err1 = tree_sum(e2, H);
+    if (c == 0 || err0 < best_e) {
       best = c;
-      best_e = err;
+      best_e = err0;
+    }
+    if (err1 < best_e) {
+      best = c + 1;
+      best_e = err1;
     }
   }
   return base * kClip[best];
