@@ -155,11 +155,11 @@ def test_max_restarts_resumes_after_a_killed_worker(cache_dir, tmp_path, uninter
     ck, metrics, log = tmp_path / "ck", tmp_path / "restart.jsonl", tmp_path / "restart.log"
     env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS="1", OMP_NUM_THREADS="1",
                TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
-    proc = subprocess.Popen(["bash", "tools/launch_single_node.sh", "configs/tiny_gpt.yaml", *RESUME_ARGS,
-                             "--save", str(ck), "--load", str(ck), "--save-interval", "2",
-                             "--data-cache-path", cache_dir, "--metrics-jsonl", str(metrics)],
-                            cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # a file, not a pipe: a leftover holding it cannot hang the test
+    with log.open("w") as sink:  # a file, not a pipe: a leftover holding it cannot hang the test
+        proc = subprocess.Popen(["bash", "tools/launch_single_node.sh", "configs/tiny_gpt.yaml", *RESUME_ARGS,
+                                 "--save", str(ck), "--load", str(ck), "--save-interval", "2",
+                                 "--data-cache-path", cache_dir, "--metrics-jsonl", str(metrics)],
+                                cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     _wait_for_iteration(metrics, proc, 5)
     workers = _workers(proc.pid)
     rank1 = workers[1]

@@ -23,7 +23,7 @@ checkpointed, so a resumed run rounds exactly as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,11 +36,18 @@ class LoCoStateMismatch(ValueError):
     """A checkpointed LoCo state that does not fit this compressor (the message says why)."""
 
 
-def load_compressor_states(compressors: dict, sd: dict) -> Optional[str]:
-    """Restore every compressor of ``compressors`` (key -> :class:`LoCoCompressor`) from the
-    checkpointed ``sd`` (key -> its ``state_dict()``). When ``sd`` does not fit (other
-    buckets, or any compressor's :class:`LoCoStateMismatch`), every compressor is reset to
-    zero error and the reason is returned; ``None`` when all were restored."""
+def load_compressor_states(compressors: dict, sd: Optional[dict], log: Callable[[str], None]) -> None:
+    """A hook's ``load_state_dict``: restore every compressor of ``compressors`` (key ->
+    :class:`LoCoCompressor`) from the checkpointed ``sd`` (key -> its ``state_dict()``).
+    When ``sd`` does not fit (other buckets, or any compressor's :class:`LoCoStateMismatch`),
+    every compressor is reset to zero error and ``log`` gets one line saying why; a LoCo
+    state this run has no compressors for is ignored with one line. ``sd`` None: the
+    checkpoint was written under another layout (the loader said so): nothing to do."""
+    if sd is None:
+        return
+    if sd and not compressors:
+        log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
+        return
     why = None
     if set(sd) != set(compressors):
         only_saved = sorted(set(sd) - set(compressors))[:1]
@@ -56,7 +63,7 @@ def load_compressor_states(compressors: dict, sd: dict) -> Optional[str]:
     if why is not None:
         for c in compressors.values():
             c.reset()
-    return why
+        log(f"LoCo: the checkpoint's error state does not fit this run ({why}); starting the error buffers at zero")
 
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22

@@ -102,7 +102,8 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     expert_dp = config.expert_data_parallel_size(world_size)
     tp, pp, ep, etp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                        p.expert_model_parallel_size, p.expert_tp)
-    total = parameter_count(m, padded_vocab_size(vocab_size, tp))
+    vocab = padded_vocab_size(vocab_size, tp)
+    total = parameter_count(m, vocab)
     experts = expert_parameter_count(config)
     dense_here = (total - experts) / (tp * pp)
     experts_here = experts / (etp * ep * pp)
@@ -121,8 +122,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
         "activations": _activations(config),
     }
     if p.use_megatron_fsdp:
-        out.update(_fsdp_parts(config, here, dp, padded_vocab_size(vocab_size, tp), weight_bytes, grad_bytes,
-                               optimizer_bytes))
+        out.update(_fsdp_parts(config, here, dp, vocab, weight_bytes, grad_bytes, optimizer_bytes))
     out["total"] = sum(out[k] for k in PARTS)
     out.update(params=total, dp=dp, expert_dp=expert_dp)
     return out

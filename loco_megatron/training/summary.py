@@ -40,19 +40,19 @@ def model_line(config: Config, vocab_size: int, on_rank0: str = "") -> str:
 
 
 def layout_line(config: Config, world_size: int, dp: int, expert_dp: int) -> str:
-    """The dense grid, the expert grid (MoE: its own TP x EP x DP over the same ranks) and
-    the memory options. ``expert_dp``: 0 for a dense model."""
+    """The dense grid, the expert grid (MoE: its own TP x EP x DP over the same ranks), the
+    Megatron-FSDP sharding and the memory options. ``expert_dp``: 0 for a dense model."""
     m, p = config.model, config.parallel
-    experts = ""
+    grids = ""  # the expert grid and the FSDP sharding, where they apply
     if m.num_experts is not None:
-        experts = (f"; experts ETP {p.expert_tp} x EP {p.expert_model_parallel_size} x PP "
-                   f"{p.pipeline_model_parallel_size} x expert DP {expert_dp}")
+        grids = (f"; experts ETP {p.expert_tp} x EP {p.expert_model_parallel_size} x PP "
+                 f"{p.pipeline_model_parallel_size} x expert DP {expert_dp}")
     if p.use_megatron_fsdp:
         n = p.num_distributed_optimizer_instances
-        experts += (f"; Megatron-FSDP {p.data_parallel_sharding_strategy} over {dp // n} ranks"
-                    + (f", replicated x{n} (HSDP)" if n > 1 else ""))
+        grids += (f"; Megatron-FSDP {p.data_parallel_sharding_strategy} over {dp // n} ranks"
+                  + (f", replicated x{n} (HSDP)" if n > 1 else ""))
     return (f"layout: world {world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
-            f"x DP {dp} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){experts}, "
+            f"x DP {dp} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){grids}, "
             f"sequence parallel {'on' if p.sequence_parallel else 'off'}, "
             f"recompute {m.recompute_granularity or 'none'}, {m.transformer_impl} layers")
 

@@ -221,15 +221,7 @@ class FsdpGradHook:
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """Restore the error buffers; when they do not fit this run, start them at zero
         with one line (as :meth:`GradSyncHook.load_state_dict`)."""
-        if sd is None:
-            return
-        if sd and not self.compressors:
-            self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
-            return
-        why = load_compressor_states(self.compressors, sd)
-        if why is not None:
-            self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
-                      f"starting the error buffers at zero")
+        load_compressor_states(self.compressors, sd, self._log)
 
 
 def _padding_ranges(gbuf) -> list[tuple[int, int]]:

@@ -375,12 +375,4 @@ class GradSyncHook:
         error buffers start from zero - what --loco-reset-interval does anyway - and one
         line says so: never a silent mismatch, never a crash. ``None``: the checkpoint
         was written under another layout (the loader said so): the buffers stay at zero."""
-        if sd is None:
-            return
-        if sd and not self.compressors:
-            self._log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
-            return
-        why = load_compressor_states(self.compressors, sd)
-        if why is not None:
-            self._log(f"LoCo: the checkpoint's error state does not fit this run ({why}); "
-                      f"starting the error buffers at zero")
+        load_compressor_states(self.compressors, sd, self._log)
