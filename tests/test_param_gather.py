@@ -238,8 +238,28 @@ def test_gather_temporaries_do_not_grow_with_the_bucket(kernels):
     float64 statistics; 340 MiB for a 32M-element bucket): the largest temporary of an
     encode plus decode is the same for a 4x larger bucket, and within one chunk's float64
     term (8 bytes per element of DECODE_CHUNK)."""
-    small, big = _largest_temporary(1 << 18, kernels), _largest_temporary(1 << 20, kernels)
+    small, big = _largest_temporary(1 << 19, kernels), _largest_temporary(1 << 21, kernels)
     assert small == big <= 8 * DECODE_CHUNK, (small, big)
+
+
+def test_fp32_exchange_swaps_without_a_whole_shard_temporary():
+    """Guards against the aliased (fp32) begin_step/cancel_step swapping the agreed and the
+    exact main shard through a whole-shard clone (S elements more at every step, a whole
+    pipeline stage's shard with one bucket): the swap is exact both ways and its largest
+    temporary is one chunk, whatever the shard."""
+    shard = 2 * DECODE_CHUNK + 77  # ragged last chunk
+    g = torch.Generator().manual_seed(3)
+    own = torch.randn(shard, generator=g)
+    mine = AgreedShard(own, main_aliased=True)
+    mine.spare.add_(1.0)  # the exact main shard differs from the agreed one
+    agreed, main = own.clone(), mine.spare.clone()
+    with _LargestAllocation() as mode:
+        mine.begin_step()
+    assert torch.equal(own, main) and torch.equal(mine.agreed(), agreed)
+    with mode:
+        mine.cancel_step()
+    assert torch.equal(own, agreed) and torch.equal(mine.spare, main)
+    assert 0 < mode.largest <= 4 * DECODE_CHUNK, mode.largest
 
 
 @pytest.mark.parametrize("kernels,bits", [("torch", 4), ("cpu", 4), ("torch", 2), ("cpu", 2)])

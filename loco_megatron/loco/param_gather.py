@@ -60,12 +60,16 @@ class ParamGatherWork:
             for b0, b1, lo, hi in layout.chunks():
                 delta = decode_chunk(recv[j], scales[j], layout, b0, b1, hi - lo)
                 if j != self._rank:  # rows[j] holds the agreed shard j (only gathers write it)
-                    rows[j, lo:hi].copy_(add_delta(rows[j, lo:hi], delta))
+                    # In place, the same bits as add_delta: add_ of an fp32 delta computes in
+                    # fp32 and rounds once to the parameter dtype (tested).
+                    rows[j, lo:hi].add_(delta)
                     continue
                 new = rows[j, lo:hi]  # the optimizer's update, at the parameter dtype
                 agreed = add_delta(self._shard.agreed()[lo:hi], delta)
-                sums[0] += (agreed.double() - new.double()).square().sum()
-                sums[1] += new.double().square().sum()
+                # Metrics only (loco/param_rel_error): fp32 norms per chunk, summed in
+                # float64 across chunks; float64 elementwise cost as much as the decode.
+                sums[0] += torch.linalg.vector_norm(agreed.float() - new.float()).double().square()
+                sums[1] += torch.linalg.vector_norm(new, dtype=torch.float32).double().square()
                 self._shard.finish_slice(lo, hi, agreed)
         self.stats = torch.cat([sums, (~finite).sum().double().reshape(1)])
         self._shard.finished()
