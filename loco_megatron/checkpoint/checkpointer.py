@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import torch_dist
+from loco_megatron.checkpoint import fsdp_dtensor, torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
 from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
                                            iter_dir, recover_latest, sha256, write_durably, write_sidecar)
@@ -206,10 +206,14 @@ class Checkpointer:
             error = self._write_rank_file(tmp, iteration, stateful)
             self._finish(tmp, final, iteration, t0, error)
             return final
-        sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
-                                   is_loading=False, per_rank=True)
         try:
-            request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
+            if self.ckpt_format == fsdp_dtensor.FORMAT:
+                fsdp_dtensor.save(tmp, stateful, self.layout_key, self.run_config, iteration, self.device)
+                request = None
+            else:
+                sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
+                                           is_loading=False, per_rank=True)
+                request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
         except torch_dist.SaveFailed as e:  # rank 0's common.pt: every rank raised it together
             self._abandon(tmp, str(e))
         except (KeyboardInterrupt, SystemExit):
@@ -336,7 +340,14 @@ class Checkpointer:
         """Verify the checksums, restore every registered object and the RNG; returns the
         saved iteration."""
         t0 = time.perf_counter()
-        if torch_dist.is_torch_dist(path):
+        fsdp_run, fsdp_ckpt = "fsdp" in self.layout_key, fsdp_dtensor.is_fsdp_dtensor(path)
+        if torch_dist.is_torch_dist(path) and fsdp_run != fsdp_ckpt:
+            # Each format's model state is its wrapper's: neither loads into the other.
+            raise ConfigError(f"--load: {path} is a {'fsdp_dtensor' if fsdp_ckpt else 'torch_dist'} checkpoint, "
+                              f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
+        if fsdp_ckpt:
+            iteration = fsdp_dtensor.load(path, stateful, self.layout_key, self.log)
+        elif torch_dist.is_torch_dist(path):
             iteration = torch_dist.load(path, stateful, self.layout_key, self.log)
         else:
             iteration = self._load_rank_file(path, stateful)

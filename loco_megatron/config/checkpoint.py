@@ -16,10 +16,12 @@ class CheckpointConfig:
     """Save every this many steps (0 = only at the end when --save is set)."""
     load: Optional[str] = None
     """Directory to resume from (its latest complete checkpoint, in either format)."""
-    ckpt_format: str = choice("torch_dist", ("torch_dist", "torch"))
+    ckpt_format: str = choice("torch_dist", ("torch_dist", "torch", "fsdp_dtensor"))
     """Format --save writes: torch_dist (megatron-core dist_checkpointing: loads under another
-    world size / TP / PP / EP / DP with the same model shape) or torch (one file per rank:
-    faster, resumes only with the same layout)."""
+    world size / TP / PP / EP / DP with the same model shape), torch (one file per rank:
+    faster, resumes only with the same layout) or fsdp_dtensor (--use-megatron-fsdp only:
+    DTensors through torch.distributed.checkpoint, loads under another world size /
+    sharding strategy / number of instances)."""
     async_save: bool = False
     """torch_dist only: write checkpoints in a background process while training continues;
     the checkpoint is committed (renamed, `latest` updated) once every rank's write finished."""
