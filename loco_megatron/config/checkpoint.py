@@ -15,7 +15,7 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every this many steps (0 = only at the end when --save is set)."""
     load: Optional[str] = None
-    """Directory to resume from (its latest complete checkpoint, in either format)."""
+    """Directory to resume from (its latest complete checkpoint, in whichever format it holds)."""
     ckpt_format: str = choice("torch_dist", ("torch_dist", "torch", "fsdp_dtensor"))
     """Format --save writes: torch_dist (megatron-core dist_checkpointing: loads under another
     world size / TP / PP / EP / DP with the same model shape), torch (one file per rank:
