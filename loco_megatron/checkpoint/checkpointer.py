@@ -8,8 +8,9 @@ in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
     SAVE/latest_checkpointed_iteration.txt
 
 ``--ckpt-format torch_dist`` (the default; reshardable): see
-:mod:`loco_megatron.checkpoint.torch_dist`. ``--load`` reads either format, whichever the
-folder holds. A failed write (disk full, read-only mount) on any rank, in the foreground or
+:mod:`loco_megatron.checkpoint.torch_dist`; ``fsdp_dtensor`` (``--use-megatron-fsdp`` only,
+reshardable, the same folder conventions): :mod:`loco_megatron.checkpoint.fsdp_dtensor`.
+``--load`` reads any of them, whichever the folder holds. A failed write (disk full, read-only mount) on any rank, in the foreground or
 the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
 line naming the file and the rank: each rank catches its own failure, then all agree in
 one collective before any other, so no rank is left waiting in a collective the others

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from loco_megatron.checkpoint import torch_dist
 from loco_megatron.checkpoint.rng import rng_state
 from loco_megatron.config import ConfigError
+from loco_megatron.loco.hooks.version import check_megatron_core_version
 
 FORMAT = "fsdp_dtensor"
 _SHARDING = {"distrib_optim_sharding_type": FORMAT}
@@ -88,6 +89,7 @@ def _every_param(opt, osd: dict) -> dict:
     ranks held different sets of DTensors and ``preprocess_state_dict_for_uneven_dtensor``
     (one all-gather per DTensor over its mesh) hung: those get empty DTensors laid out as
     the parameter and this rank's step count (Adam steps every parameter alike)."""
+    check_megatron_core_version()  # megatron's private _param_name and state layout below
     state = osd["state"]
     steps = [s["step"] for s in state.values() if "step" in s]
     out = {}
