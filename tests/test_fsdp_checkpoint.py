@@ -1,5 +1,5 @@
 """--ckpt-format fsdp_dtensor (Megatron-FSDP's DTensors through torch.distributed.checkpoint):
-same-layout resume bit-exact with LoCo's error buffers, resume at another layout resharded
+same-layout resume (of an --async-save) bit-exact with LoCo's error buffers, resume at another layout resharded
 with the per-rank state reset in one line, the flag refused without --use-megatron-fsdp."""
 
 import os
@@ -23,11 +23,14 @@ def _grad_norms(metrics):
 @pytest.fixture(scope="module")
 def saved(cache_dir, tmp_path_factory):
     """The uninterrupted 4-step run, HSDP 2 nodes x 2 ranks with LoCo 4-bit, saving at steps
-    2 and 4: (metrics, checkpoint folder rewound to step 2)."""
+    2 and 4 with --async-save: (metrics, checkpoint folder rewound to step 2)."""
     out = tmp_path_factory.mktemp("fsdp_ck")
-    _, metrics = torchrun(4, HSDP + ["--loco-ranks-per-node", "2", "--save", str(out / "ck"), "--save-interval", "2"],
-                          cache_dir, out, name="full")
+    _, metrics = torchrun(4, HSDP + ["--loco-ranks-per-node", "2", "--save", str(out / "ck"), "--save-interval", "2",
+                                     "--async-save"], cache_dir, out, name="full")
     ck = out / "ck"
+    # Both background writes were committed, the last one waited for before the exit.
+    assert [m["ckpt/iteration"] for m in metrics if "ckpt/write_s" in m] == [2, 4]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     files = sorted(p.name for p in (ck / "iter_0000002").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "common.pt",
                      "metadata.json", *(f"sha256.rank_{r:05d}.json" for r in range(4))], files
@@ -41,7 +44,8 @@ def test_same_layout_resume_is_bit_exact_with_loco_state(saved, cache_dir, tmp_p
     state at the same layout: the fp32 main weights (or leaves the gathered model weights
     stale), Adam's moments or step (bias correction), the param-group hyper-parameters, the
     schedule or data position, or LoCo's per-rank error buffers (step 3's compressed
-    gradient adds step 2's error: its gradient norm would differ). Resumed from step 2,
+    gradient adds step 2's error: its gradient norm would differ), or an --async-save
+    writer that misses part of it. Resumed from step 2,
     steps 3-4 repeat the uninterrupted run's losses and gradient norms bit for bit, and no
     reset line is printed."""
     full, ck = saved

@@ -209,8 +209,8 @@ class Checkpointer:
             return final
         try:
             if self.ckpt_format == fsdp_dtensor.FORMAT:
-                fsdp_dtensor.save(tmp, stateful, self.layout_key, self.run_config, iteration, self.device)
-                request = None
+                request = fsdp_dtensor.save(tmp, stateful, self.layout_key, self.run_config, iteration,
+                                            self.writer is not None, self.device)
             else:
                 sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
                                            is_loading=False, per_rank=True)

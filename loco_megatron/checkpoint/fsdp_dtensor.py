@@ -1,6 +1,7 @@
 """The ``fsdp_dtensor`` format (``--use-megatron-fsdp`` only): Megatron-FSDP's parameters
 and the distributed optimizer's state as DTensors, through ``torch.distributed.checkpoint``
 (DCP), which reshards them to whatever world / instances / sharding strategy loads them.
+--async-save works as for torch_dist (megatron's asynchronous DCP writer).
 
 ``SAVE/iter_N/`` holds what a torch_dist checkpoint holds (:mod:`loco_megatron.checkpoint.torch_dist`)
 with the same names: DCP's ``__R_0.distcp`` shards and ``.metadata``, ``common.pt`` (rank 0,
@@ -131,20 +132,49 @@ def _common(stateful: dict, layout_key: dict, run_config, iteration: int) -> dic
     return out
 
 
-def save(folder: pathlib.Path, stateful: dict, layout_key: dict, run_config, iteration: int,
-         flag_device: torch.device) -> None:
-    """Collective: write the checkpoint into ``folder`` (foreground only). Raises
-    :class:`torch_dist.SaveFailed` on every rank when rank 0's ``common.pt`` failed, DCP's
-    CheckpointException (on every rank) when a shard write failed."""
+def save(folder: pathlib.Path, stateful: dict, layout_key: dict, run_config, iteration: int, async_save: bool,
+         flag_device: torch.device):
+    """Collective: write the checkpoint into ``folder``; with ``async_save`` returns megatron's
+    AsyncRequest (as :func:`torch_dist.save`: the write runs in a process forked when it is
+    scheduled, the finalize functions write DCP's ``.metadata`` and ``metadata.json``).
+    Raises :class:`torch_dist.SaveFailed` on every rank when rank 0's ``common.pt`` failed,
+    DCP's CheckpointException (on every rank) when a shard write failed."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from torch.distributed import checkpoint as dcp
 
     torch_dist.write_common(folder, _common(stateful, layout_key, run_config, iteration), flag_device)
     sd = sharded_state(stateful, layout_key, is_loading=False, per_rank=True)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1))
-    if dist.get_rank() == 0:
-        save_config(CheckpointingConfig(FORMAT, 1), str(folder))
-    dist.barrier()
+
+    def metadata_finalize_fn():
+        if dist.get_rank() == 0:
+            save_config(CheckpointingConfig(FORMAT, 1), str(folder))
+        dist.barrier()
+
+    if not async_save:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1))
+        metadata_finalize_fn()
+        return None
+    return _async_request(folder, sd, metadata_finalize_fn)
+
+
+def _async_request(folder: pathlib.Path, sd: dict, metadata_finalize_fn: Callable[[], None]):
+    """megatron's asynchronous DCP save of ``sd`` (the one its torch_dist strategy makes,
+    with DCP's default planner, as megatron-LM does for fsdp_dtensor)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+        save_state_dict_async_finalize, save_state_dict_async_plan)
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    torch_dist.start_writer_manager_detached()
+    writer = FileSystemWriterAsync(str(folder), thread_count=1)
+    planned = save_state_dict_async_plan(sd, writer, None, 0, planner=DefaultSavePlanner())[0]
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+
+    def write_finalize_fn():
+        save_state_dict_async_finalize(*planned)  # DCP's .metadata, on the coordinator
+
+    return AsyncRequest(save_fn, save_args, [write_finalize_fn, metadata_finalize_fn], preload_fn=preload_fn)
 
 
 @torch.no_grad()

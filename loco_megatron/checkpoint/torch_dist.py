@@ -121,7 +121,7 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-def _start_writer_manager_detached() -> None:
+def start_writer_manager_detached() -> None:
     """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
     process) to collect write results; megatron starts it at the first save. Start it here
     instead, (1) with /dev/null as stdout/stderr: it inherits them, and when a rank is
@@ -179,7 +179,7 @@ def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.de
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    _start_writer_manager_detached()
+    start_writer_manager_detached()
     sharded_strategy = get_default_save_sharded_strategy()
     sharded_sd, common_sd = save_preprocess(sd, True, _without_clock)
     write_common(folder, common_sd, flag_device)

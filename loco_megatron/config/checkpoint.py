@@ -23,11 +23,11 @@ class CheckpointConfig:
     DTensors through torch.distributed.checkpoint, loads under another world size /
     sharding strategy / number of instances)."""
     async_save: bool = False
-    """torch_dist only: write checkpoints in a background process while training continues;
+    """torch_dist / fsdp_dtensor: write checkpoints in a background process while training continues;
     the checkpoint is committed (renamed, `latest` updated) once every rank's write finished."""
 
     def __post_init__(self):
         check_choices(self)
         require(self.save_interval >= 0, "save_interval", "must be >= 0")
-        require(not (self.async_save and self.ckpt_format != "torch_dist"), "async_save",
-                "needs --ckpt-format torch_dist")
+        require(not (self.async_save and self.ckpt_format == "torch"), "async_save",
+                "needs --ckpt-format torch_dist or fsdp_dtensor")
