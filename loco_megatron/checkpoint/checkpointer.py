@@ -10,8 +10,8 @@ in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
 ``--ckpt-format torch_dist`` (the default; reshardable): see
 :mod:`loco_megatron.checkpoint.torch_dist`; ``fsdp_dtensor`` (``--use-megatron-fsdp`` only,
 reshardable, the same folder conventions): :mod:`loco_megatron.checkpoint.fsdp_dtensor`.
-``--load`` reads any of them, whichever the folder holds. A failed write (disk full, read-only mount) on any rank, in the foreground or
-the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
+``--load`` reads any of them, whichever the folder holds. A failed write (disk full,
+read-only mount) on any rank, in the foreground or the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
 line naming the file and the rank: each rank catches its own failure, then all agree in
 one collective before any other, so no rank is left waiting in a collective the others
 skipped. A checkpoint counts as complete only once every writing rank's checksums exist.
@@ -344,8 +344,10 @@ class Checkpointer:
         fsdp_run, fsdp_ckpt = "fsdp" in self.layout_key, fsdp_dtensor.is_fsdp_dtensor(path)
         if torch_dist.is_torch_dist(path) and fsdp_run != fsdp_ckpt:
             # Each format's model state is its wrapper's: neither loads into the other.
-            raise ConfigError(f"--load: {path} is a {'fsdp_dtensor' if fsdp_ckpt else 'torch_dist'} checkpoint, "
-                              f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
+            error = ConfigError(f"--load: {path} is a {'fsdp_dtensor' if fsdp_ckpt else 'torch_dist'} checkpoint, "
+                                f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
+            error.agreed = True  # every rank finds the same from the same files: printed once
+            raise error
         if fsdp_ckpt:
             iteration = fsdp_dtensor.load(path, stateful, self.layout_key, self.log)
         elif torch_dist.is_torch_dist(path):
