@@ -344,7 +344,7 @@ class Checkpointer:
         fsdp_run, fsdp_ckpt = "fsdp" in self.layout_key, fsdp_dtensor.is_fsdp_dtensor(path)
         if torch_dist.is_torch_dist(path) and fsdp_run != fsdp_ckpt:
             # Each format's model state is its wrapper's: neither loads into the other.
-            error = ConfigError(f"--load: {path} is a {'fsdp_dtensor' if fsdp_ckpt else 'torch_dist'} checkpoint, "
+            error = ConfigError(f"--load: {path} is {'an fsdp_dtensor' if fsdp_ckpt else 'a torch_dist'} checkpoint, "
                                 f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
             error.agreed = True  # every rank finds the same from the same files: printed once
             raise error
