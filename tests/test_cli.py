@@ -15,7 +15,7 @@ def test_help_shows_the_choices_of_enumerated_flags():
     from loco_megatron.config import ConfigError, LoCoConfig
 
     text = " ".join(build_parser().format_help().split())
-    for shown in ("--loco-bits {0,2,4,8}", "--loco-error-bits {8,16,32}", "--ckpt-format {torch_dist,torch}",
+    for shown in ("--loco-bits {0,2,4,8}", "--loco-error-bits {8,16,32}", "--ckpt-format {torch_dist,torch,fsdp_dtensor}",
                   "--lr-decay-style {constant,linear,cosine}", "--recompute-granularity {selective,full}"):
         assert shown in text, shown
     # The same list validates: each shown value is accepted, another is refused in one line.

@@ -126,7 +126,7 @@ def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
     (["--loco-intra-node-bits", "16"], "--loco-intra-node-bits"),
     (["--num-experts", "4"], "MoE"),
     (["--no-use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--save", "/nonexistent/ck"], "--ckpt-format torch"),
+    (["--save", "/nonexistent/ck"], "--ckpt-format fsdp_dtensor"),
 ])
 def test_unsupported_fsdp_combinations_are_one_line(args, needle):
     """Guards against silently running a combination the FSDP path does not implement

@@ -8,9 +8,10 @@ in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
     SAVE/latest_checkpointed_iteration.txt
 
 ``--ckpt-format torch_dist`` (the default; reshardable): see
-:mod:`loco_megatron.checkpoint.torch_dist`. ``--load`` reads either format, whichever the
-folder holds. A failed write (disk full, read-only mount) on any rank, in the foreground or
-the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
+:mod:`loco_megatron.checkpoint.torch_dist`; ``fsdp_dtensor`` (``--use-megatron-fsdp`` only,
+reshardable, the same folder conventions): :mod:`loco_megatron.checkpoint.fsdp_dtensor`.
+``--load`` reads any of them, whichever the folder holds. A failed write (disk full,
+read-only mount) on any rank, in the foreground or the background, removes ``iter_N.tmp`` and ends the run on every rank with the same one
 line naming the file and the rank: each rank catches its own failure, then all agree in
 one collective before any other, so no rank is left waiting in a collective the others
 skipped. A checkpoint counts as complete only once every writing rank's checksums exist.
@@ -34,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import torch_dist
+from loco_megatron.checkpoint import fsdp_dtensor, torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
 from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
                                            iter_dir, recover_latest, sha256, write_durably, write_sidecar)
@@ -206,10 +207,14 @@ class Checkpointer:
             error = self._write_rank_file(tmp, iteration, stateful)
             self._finish(tmp, final, iteration, t0, error)
             return final
-        sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
-                                   is_loading=False, per_rank=True)
         try:
-            request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
+            if self.ckpt_format == fsdp_dtensor.FORMAT:
+                request = fsdp_dtensor.save(tmp, stateful, self.layout_key, self.run_config, iteration,
+                                            self.writer is not None, self.device)
+            else:
+                sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
+                                           is_loading=False, per_rank=True)
+                request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
         except torch_dist.SaveFailed as e:  # rank 0's common.pt: every rank raised it together
             self._abandon(tmp, str(e))
         except (KeyboardInterrupt, SystemExit):
@@ -336,7 +341,16 @@ class Checkpointer:
         """Verify the checksums, restore every registered object and the RNG; returns the
         saved iteration."""
         t0 = time.perf_counter()
-        if torch_dist.is_torch_dist(path):
+        fsdp_run, fsdp_ckpt = "fsdp" in self.layout_key, fsdp_dtensor.is_fsdp_dtensor(path)
+        if torch_dist.is_torch_dist(path) and fsdp_run != fsdp_ckpt:
+            # Each format's model state is its wrapper's: neither loads into the other.
+            error = ConfigError(f"--load: {path} is {'an fsdp_dtensor' if fsdp_ckpt else 'a torch_dist'} checkpoint, "
+                                f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
+            error.agreed = True  # every rank finds the same from the same files: printed once
+            raise error
+        if fsdp_ckpt:
+            iteration = fsdp_dtensor.load(path, stateful, self.layout_key, self.log)
+        elif torch_dist.is_torch_dist(path):
             iteration = torch_dist.load(path, stateful, self.layout_key, self.log)
         else:
             iteration = self._load_rank_file(path, stateful)

@@ -61,10 +61,14 @@ def layout_tag(layout_key: dict) -> str:
 
 
 def saved_common(path: pathlib.Path) -> dict:
-    """The common (rank 0) state of a torch_dist checkpoint; ConfigError if unreadable."""
+    """The common (rank 0) state of a torch_dist (or fsdp_dtensor) checkpoint; ConfigError if unreadable."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     try:
+        if '"fsdp_dtensor"' in (path / "metadata.json").read_text():
+            # megatron's loader knows no fsdp_dtensor backend; common.pt is its common strategy's file
+            return TorchCommonLoadStrategy().load_common(str(path))
         return dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
         raise ConfigError(f"--load: {path / 'common.pt'} is not a readable checkpoint "
@@ -117,7 +121,7 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-def _start_writer_manager_detached() -> None:
+def start_writer_manager_detached() -> None:
     """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
     process) to collect write results; megatron starts it at the first save. Start it here
     instead, (1) with /dev/null as stdout/stderr: it inherits them, and when a rank is
@@ -172,25 +176,13 @@ def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.de
     shard is written, and all raise :class:`SaveFailed` together.
     """
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.serialization import (get_default_save_common_strategy,
-                                                                get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    _start_writer_manager_detached()
+    start_writer_manager_detached()
     sharded_strategy = get_default_save_sharded_strategy()
-    common_strategy = get_default_save_common_strategy()
     sharded_sd, common_sd = save_preprocess(sd, True, _without_clock)
-    error = ""
-    try:
-        common_strategy.save_common(common_sd, str(folder))  # writes on rank 0 only
-        if dist.get_rank() == 0:
-            files.fsync(folder / "common.pt")
-    except Exception as e:  # noqa: BLE001 - any failure of this rank-0 write is reported the same way
-        error = f"writing {folder / 'common.pt'} failed on rank 0 ({files.cause(e, folder)})"
-    flag = torch.tensor([1.0 if error else 0.0], device=flag_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        raise SaveFailed(error or f"writing {folder / 'common.pt'} failed on rank 0")
+    write_common(folder, common_sd, flag_device)
 
     def metadata_finalize_fn():
         if dist.get_rank() == 0:
@@ -204,6 +196,25 @@ def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.de
     request = sharded_strategy.async_save(sharded_sd, str(folder))
     request.finalize_fns.append(metadata_finalize_fn)
     return request
+
+
+def write_common(folder: pathlib.Path, common_sd: dict, flag_device: torch.device) -> None:
+    """Collective: rank 0 writes ``common.pt`` (megatron's common strategy: one torch.save)
+    and fsyncs it; every rank learns of a failure (one all-reduce on ``flag_device``) and
+    all raise :class:`SaveFailed` together, before any shard is written."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+
+    error = ""
+    try:
+        get_default_save_common_strategy().save_common(common_sd, str(folder))  # writes on rank 0 only
+        if dist.get_rank() == 0:
+            files.fsync(folder / "common.pt")
+    except Exception as e:  # noqa: BLE001 - any failure of this rank-0 write is reported the same way
+        error = f"writing {folder / 'common.pt'} failed on rank 0 ({files.cause(e, folder)})"
+    flag = torch.tensor([1.0 if error else 0.0], device=flag_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise SaveFailed(error or f"writing {folder / 'common.pt'} failed on rank 0")
 
 
 def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
@@ -290,6 +301,16 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
         raise ConfigError(f"--load: {folder} could not be loaded "
                           f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
     stateful["model"].load_sharded_state_dict(loaded)
+    restore(folder, stateful, loaded, saved_layout, layout_key, log)
+    return int(common["iteration"])
+
+
+def restore(folder: pathlib.Path, stateful: dict, loaded: dict, saved_layout: dict, layout_key: dict,
+            log: Callable[[str], None]) -> None:
+    """Every registered object but the model from ``loaded``; the per-rank ones (and the
+    RNG) only when ``saved_layout`` has the tag of ``layout_key``, else each gets
+    ``load_state_dict(None)`` and the run says so in one line."""
+    same = layout_tag(saved_layout) == layout_tag(layout_key)
     for name, obj in stateful.items():
         if name == "model":
             continue
@@ -309,4 +330,3 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
         log(f"checkpoint: saved with layout {layout_tag(saved_layout)}, resuming with {layout_tag(layout_key)}: "
             f"model, optimizer, schedule and data position resharded; RNG re-seeded and LoCo error "
             f"buffers start at zero")
-    return int(common["iteration"])

@@ -77,6 +77,8 @@ class Config:
             require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
         if p.use_megatron_fsdp:
             self._check_fsdp()
+        require(self.checkpoint.ckpt_format != "fsdp_dtensor" or p.use_megatron_fsdp, "ckpt_format",
+                 "fsdp_dtensor is Megatron-FSDP's format and needs --use-megatron-fsdp (use torch_dist)")
         decay = self.optimizer.lr_decay_iters or self.train.train_iters
         require(self.optimizer.warmup_iters(decay) < decay, "lr_warmup_iters",
                  f"{self.optimizer.lr_warmup_iters} must be less than the decay iterations ({decay}); "
@@ -110,9 +112,10 @@ class Config:
                  "two-hop LoCo is the DDP path's; with --use-megatron-fsdp the two hops are HSDP's "
                  "(--num-distributed-optimizer-instances = nodes)")
         c = self.checkpoint
-        require(c.ckpt_format == "torch" or not (c.save or c.load), "ckpt_format",
+        require(c.ckpt_format != "torch_dist" or not (c.save or c.load), "ckpt_format",
                  "torch_dist is not supported with --use-megatron-fsdp (megatron-core 0.16.1's Megatron-FSDP model "
-                 "has no sharded_state_dict for dist_checkpointing): use --ckpt-format torch")
+                 "has no sharded_state_dict for dist_checkpointing): use --ckpt-format fsdp_dtensor (reshardable) "
+                 "or torch")
         require("loco_intra_node_bits" not in self.command_line, "loco_intra_node_bits",
                  "with --use-megatron-fsdp the intra-node reduce-scatter is Megatron-FSDP's own, at full precision")
         if lc.enabled:

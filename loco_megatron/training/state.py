@@ -165,7 +165,16 @@ class FsdpOptimizerState:
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, sd: list) -> None:
+    def load_state_dict(self, sd) -> None:
+        """``sd``: this class's per-rank list (torch format), or, --ckpt-format fsdp_dtensor,
+        ``{"0": megatron's fsdp_dtensor optimizer state}`` per sub-optimizer, whose DTensors
+        DCP already filled in place (:mod:`loco_megatron.checkpoint.fsdp_dtensor`)."""
+        if isinstance(sd, dict):
+            for i, opt in enumerate(sub_optimizers(self.optimizer)):
+                opt.load_state_dict(sd[str(i)])  # param groups by parameter name, the Adam state
+                for chunk in opt.model_chunks:  # the loaded main weights -> the weights the forward gathers
+                    chunk.module.install_optimized_model_weights()
+            return
         for opt, saved in zip(sub_optimizers(self.optimizer), sd):
             inner = opt.optimizer
             for group, hyper in zip(inner.param_groups, saved["groups"]):
