@@ -51,7 +51,8 @@ RESET = re.compile(r"re-seeded|\b(at|from) zero\b|start(s|ing)? (afresh|fresh)|d
 def valid(cell: dict) -> bool:
     """Combinations that can run. Two-hop LoCo needs LoCo on and a data-parallel group
     spanning two nodes with several ranks each (DP4 with --loco-ranks-per-node 2: TP2 and
-    PP2 leave DP2 on 4 ranks); --async-save is torch_dist only (config/checkpoint.py)."""
+    PP2 leave DP2 on 4 ranks); --async-save needs a sharded format, and the matrix's only
+    one is torch_dist (fsdp_dtensor, Megatron-FSDP's, is tested in test_fsdp_checkpoint.py)."""
     if cell["hierarchical"] and (cell["loco_bits"] == 0 or cell["parallel"] not in ("dp", "ep2")):
         return False
     return not (cell["async_save"] and cell["ckpt_format"] != "torch_dist")
