@@ -176,6 +176,11 @@ def table(groups: dict, baseline: str = "bf16") -> str:
                 f"| {r['param_bytes_per_step']:,.0f} "
                 f"| {r['step_s'] / base['step_s']:.2f} | {comm_ratio:.2f} "
                 f"| {base['step_s'] / r['step_s']:.2f}x |")
+        for r in rows:
+            if r.get("param_compress_s"):  # where a compressed parameter gather spends its time
+                out.append(f"\n{r['label']}: parameter gather per step: encode {r['param_compress_s'] * 1e3:.1f} ms "
+                           f"and apply {r['param_decompress_s'] * 1e3:.1f} ms on the rank, "
+                           f"{r['param_gather_s'] * 1e3:.1f} ms from launch to applied")
         fsdp = {r["key"]: r for r in rows if r["key"] in FSDP_PAIR}
         if len(fsdp) == 2:
             f0, f4 = fsdp["fsdp"], fsdp["fsdp4"]

@@ -125,6 +125,11 @@ def summarize(run: Run) -> dict:
         # Runs logged before parameter bytes were counted show 0.
         "param_bytes_per_step": _zero_if_nan(_weighted_mean(steady, "comm/param_bytes_sent")),
         "inter_bytes_per_step": _weighted_mean(steady, "comm/grad_bytes_sent_inter"),
+        # --param-gather-bits: the encode and the apply run on the rank (in the step), the
+        # gather's launch-to-done also covers the wire; 0 for runs without it.
+        "param_compress_s": _zero_if_nan(_weighted_mean(steady, "comm/param_compress_s")),
+        "param_decompress_s": _zero_if_nan(_weighted_mean(steady, "comm/param_decompress_s")),
+        "param_gather_s": _zero_if_nan(_weighted_mean(steady, "comm/param_gather_s")),
         "compression_ratio": _weighted_mean(steady, "comm/compression_ratio"),
         "tokens_seen": run.train[-1]["train/tokens_seen"],
     }
