@@ -172,6 +172,7 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     """Guards against tracebacks or partial folders for: an option LLaMA cannot express
     (learned absolute positions would export silently wrong), a missing --load, a
     half-written checkpoint (no metadata), the per-rank torch format (cannot be resharded),
+    Megatron-FSDP's fsdp_dtensor format (other keys: would fail deep inside the reader),
     a shard with a flipped byte (would export wrong weights), the wrong tokenizer, and an
     existing --out (overwritten)."""
     import json
@@ -205,6 +206,12 @@ def test_bad_input_gives_one_line_exit_2_and_writes_nothing(work, dense, tmp_pat
     (per_rank / "rank_00000.pt").write_bytes(b"x")
     (per_rank.parent / "latest_checkpointed_iteration.txt").write_text("3")
     _assert_one_line_error(_export(work, per_rank.parent, out), "--ckpt-format torch_dist")
+
+    fsdp = tmp_path / "fsdp_dtensor"  # Megatron-FSDP's format: DTensor keys the export does not map
+    shutil.copytree(ckpt, fsdp)
+    meta = json.loads((fsdp / "metadata.json").read_text())
+    (fsdp / "metadata.json").write_text(json.dumps({**meta, "sharded_backend": "fsdp_dtensor"}))
+    _assert_one_line_error(_export(work, fsdp, out), "--ckpt-format fsdp_dtensor")
 
     flipped = tmp_path / "flipped"
     shutil.copytree(ckpt, flipped)

@@ -23,6 +23,15 @@ SIDECAR = "sha256.rank_{rank:05d}.json"
 """torch_dist: per writing rank, {file name: SHA-256} of the files that rank wrote."""
 
 
+def sharded_backend(path: pathlib.Path) -> str | None:
+    """The ``sharded_backend`` a sharded checkpoint folder's ``metadata.json`` names
+    (``torch_dist`` or ``fsdp_dtensor``); None when there is no readable one."""
+    try:
+        return json.loads((path / "metadata.json").read_text()).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def iter_dir(root: pathlib.Path, iteration: int) -> pathlib.Path:
     return root / f"iter_{iteration:07d}"
 

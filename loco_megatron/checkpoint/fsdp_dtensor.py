@@ -31,14 +31,13 @@ SwiGLU's fused fc1 is not split (megatron-LM splits it for TP resharding; no TP 
 from __future__ import annotations
 
 import io
-import json
 import pathlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import torch_dist
+from loco_megatron.checkpoint import files, torch_dist
 from loco_megatron.checkpoint.rng import rng_state
 from loco_megatron.config import ConfigError
 from loco_megatron.loco.hooks.version import check_megatron_core_version
@@ -49,11 +48,7 @@ _SHARDING = {"distrib_optim_sharding_type": FORMAT}
 
 def is_fsdp_dtensor(path: pathlib.Path) -> bool:
     """Whether ``path`` is a checkpoint of this format (its ``metadata.json`` says so)."""
-    meta = path / "metadata.json"
-    try:
-        return meta.is_file() and json.loads(meta.read_text()).get("sharded_backend") == FORMAT
-    except (OSError, ValueError):
-        return False
+    return files.sharded_backend(path) == FORMAT
 
 
 def _per_rank_key(name: str, layout_key: dict) -> str:

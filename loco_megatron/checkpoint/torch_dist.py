@@ -66,7 +66,7 @@ def saved_common(path: pathlib.Path) -> dict:
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     try:
-        if '"fsdp_dtensor"' in (path / "metadata.json").read_text():
+        if files.sharded_backend(path) == "fsdp_dtensor":
             # megatron's loader knows no fsdp_dtensor backend; common.pt is its common strategy's file
             return TorchCommonLoadStrategy().load_common(str(path))
         return dist_checkpointing.load_common_state_dict(str(path))

@@ -50,7 +50,7 @@ def resolve_iteration_dir(load: str) -> pathlib.Path:
     if any(path.glob("rank_*.pt")):
         raise ConfigError(f"--load: {path} was saved with --ckpt-format torch (one file per rank, which cannot "
                           "be resharded); save it with --ckpt-format torch_dist to export it")
-    if '"fsdp_dtensor"' in ((path / "metadata.json").read_text() if (path / "metadata.json").is_file() else ""):
+    if files.sharded_backend(path) == "fsdp_dtensor":
         raise ConfigError(f"--load: {path} was saved with --ckpt-format fsdp_dtensor (Megatron-FSDP's DTensors), "
                           "which the export does not read (it reads torch_dist, which Megatron-FSDP runs do not write)")
     for name in ("metadata.json", "common.pt", ".metadata"):
