@@ -119,14 +119,6 @@ def sharded_state(stateful: dict, layout_key: dict, is_loading: bool, per_rank: 
     return sd
 
 
-def _common(stateful: dict, layout_key: dict, run_config, iteration: int) -> dict:
-    out = {"layout": layout_key, "iteration": iteration, "config": run_config or {}}
-    for name, obj in stateful.items():
-        if name not in ("model", "optimizer") and name not in torch_dist.PER_RANK:
-            out[name] = obj.state_dict()  # the same on every rank (counters, schedule, data)
-    return out
-
-
 def save(folder: pathlib.Path, stateful: dict, layout_key: dict, run_config, iteration: int, async_save: bool,
          flag_device: torch.device):
     """Collective: write the checkpoint into ``folder``; with ``async_save`` returns megatron's
@@ -134,16 +126,11 @@ def save(folder: pathlib.Path, stateful: dict, layout_key: dict, run_config, ite
     scheduled, the finalize functions write DCP's ``.metadata`` and ``metadata.json``).
     Raises :class:`torch_dist.SaveFailed` on every rank when rank 0's ``common.pt`` failed,
     DCP's CheckpointException (on every rank) when a shard write failed."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from torch.distributed import checkpoint as dcp
 
-    torch_dist.write_common(folder, _common(stateful, layout_key, run_config, iteration), flag_device)
+    torch_dist.write_common(folder, torch_dist.common_state(stateful, layout_key, run_config, iteration), flag_device)
     sd = sharded_state(stateful, layout_key, is_loading=False, per_rank=True)
-
-    def metadata_finalize_fn():
-        if dist.get_rank() == 0:
-            save_config(CheckpointingConfig(FORMAT, 1), str(folder))
-        dist.barrier()
+    metadata_finalize_fn = torch_dist.metadata_finalizer(folder, FORMAT, 1)
 
     if not async_save:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1))

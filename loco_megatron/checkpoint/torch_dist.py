@@ -88,20 +88,41 @@ def state_dict(stateful: dict, layout_key: dict, run_config: Optional[dict], ite
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = layout_tag(layout_key)
     model_sd = stateful["model"].sharded_state_dict()
-    sd = {**model_sd, "layout": layout_key, "iteration": iteration, "config": run_config or {}}
+    sd = {**model_sd, **common_state(stateful, layout_key, run_config, iteration)}
     for name, obj in stateful.items():
         if name == "model":
             continue
         if hasattr(obj, "sharded_state_dict"):
             sd[name] = obj.sharded_state_dict(model_sd, is_loading)
-        elif name in PER_RANK:
-            if per_rank:
-                sd[name] = _per_rank(f"{name}.{tag}", obj.state_dict(), rank, world)
-        else:
-            sd[name] = obj.state_dict()  # common: the same on every rank (counters, schedule, data)
+        elif name in PER_RANK and per_rank:
+            sd[name] = _per_rank(f"{name}.{tag}", obj.state_dict(), rank, world)
     if per_rank:
         sd["rng"] = _per_rank(f"rng.{tag}", rng_state(), rank, world)
     return sd
+
+
+def common_state(stateful: dict, layout_key: dict, run_config: Optional[dict], iteration: int) -> dict:
+    """What every rank holds alike (rank 0 writes it to ``common.pt``): the layout, the
+    iteration, the run's config, and every registered object but the model, the optimizer
+    and whatever else is sharded, and the per-rank ones (counters, schedule, data position)."""
+    out = {"layout": layout_key, "iteration": iteration, "config": run_config or {}}
+    for name, obj in stateful.items():
+        if name not in ("model", "optimizer", *PER_RANK) and not hasattr(obj, "sharded_state_dict"):
+            out[name] = obj.state_dict()
+    return out
+
+
+def metadata_finalizer(folder: pathlib.Path, backend: str, version: int) -> Callable[[], None]:
+    """The save's last step (after every shard is written): rank 0 writes ``metadata.json``
+    naming ``backend``, which is what makes ``folder`` a sharded checkpoint; all ranks wait."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    def finalize() -> None:
+        if dist.get_rank() == 0:
+            save_config(CheckpointingConfig(backend, version), str(folder))
+        dist.barrier()
+
+    return finalize
 
 
 def _die_with_parent() -> None:
@@ -175,7 +196,6 @@ def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.de
     timeout. Here every rank learns of it (one all-reduce on ``flag_device``) before any
     shard is written, and all raise :class:`SaveFailed` together.
     """
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
@@ -183,11 +203,7 @@ def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.de
     sharded_strategy = get_default_save_sharded_strategy()
     sharded_sd, common_sd = save_preprocess(sd, True, _without_clock)
     write_common(folder, common_sd, flag_device)
-
-    def metadata_finalize_fn():
-        if dist.get_rank() == 0:
-            save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version), str(folder))
-        dist.barrier()
+    metadata_finalize_fn = metadata_finalizer(folder, sharded_strategy.backend, sharded_strategy.version)
 
     if not async_save:
         sharded_strategy.save(sharded_sd, str(folder))
