@@ -102,7 +102,7 @@ class Checkpointer:
             path = found[-1][1]
             self.start_note = (f"resuming from {path}: {self.load_root} has no {LATEST}, "
                                f"so the newest complete checkpoint is used")
-        if torch_dist.is_torch_dist(path):
+        if torch_dist.is_sharded(path):
             if self.layout_key:  # a different model shape cannot load; another layout can
                 saved = torch_dist.saved_common(path).get("layout", {})
                 if saved.get("model") != self.layout_key.get("model"):
@@ -342,7 +342,7 @@ class Checkpointer:
         saved iteration."""
         t0 = time.perf_counter()
         fsdp_run, fsdp_ckpt = "fsdp" in self.layout_key, fsdp_dtensor.is_fsdp_dtensor(path)
-        if torch_dist.is_torch_dist(path) and fsdp_run != fsdp_ckpt:
+        if torch_dist.is_sharded(path) and fsdp_run != fsdp_ckpt:
             # Each format's model state is its wrapper's: neither loads into the other.
             error = ConfigError(f"--load: {path} is {'an fsdp_dtensor' if fsdp_ckpt else 'a torch_dist'} checkpoint, "
                                 f"which loads {'only' if fsdp_ckpt else 'not'} with --use-megatron-fsdp")
@@ -350,7 +350,7 @@ class Checkpointer:
             raise error
         if fsdp_ckpt:
             iteration = fsdp_dtensor.load(path, stateful, self.layout_key, self.log)
-        elif torch_dist.is_torch_dist(path):
+        elif torch_dist.is_sharded(path):
             iteration = torch_dist.load(path, stateful, self.layout_key, self.log)
         else:
             iteration = self._load_rank_file(path, stateful)

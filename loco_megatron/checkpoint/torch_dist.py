@@ -47,7 +47,9 @@ OPTIONAL_STATES = ("health",)
 """States absent from checkpoints written before they existed; those load without them."""
 
 
-def is_torch_dist(path: pathlib.Path) -> bool:
+def is_sharded(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a sharded (DCP) checkpoint folder, torch_dist or fsdp_dtensor
+    (both have a ``metadata.json``; :func:`.files.sharded_backend` tells which)."""
     return (path / "metadata.json").is_file()
 
 
