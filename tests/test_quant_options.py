@@ -351,10 +351,11 @@ def _search_before_the_fused_kernels(blocks, bits, opts):
 
 
 def test_mse_search_quality_equals_the_full_search():
-    """Guards against the one-division search in units of the base scale (what the fused
-    kernels run) losing quality: over gradient-like blocks (Gaussian with log-normal block
+    """Guards against the search the fused kernels run (one division per element, errors in
+    units of the base scale, and the descent of mse_choice that evaluates four of the six
+    ratios) losing quality: over gradient-like blocks (Gaussian with log-normal block
     scales, Student-t tails, sparse), rotated or not, 2 and 4 bits, both grids, the mean
-    squared quantisation error with its scales is within 0.5% of the search it replaced."""
+    squared quantisation error with its scales is within 0.5% of the six-pass search."""
     gen = torch.Generator().manual_seed(0)
     n = 128
     gauss = torch.randn(n, 256, generator=gen) * torch.randn(n, 1, generator=gen).exp()
@@ -373,3 +374,27 @@ def test_mse_search_quality_equals_the_full_search():
                     lv = qz.levels_(blocks, s, bits, opts, torch.empty_like(blocks))
                     errs.append(float((blocks - lv * s.unsqueeze(1)).square().mean()))
                 assert abs(errs[0] / errs[1] - 1) <= 0.005, (name, rotated, bits, quantizer, errs)
+
+
+def test_mse_choice_is_the_descent():
+    """Guards against an mse choice that reads other errors than the four the fused kernels
+    compute, or breaks ties the other way: 0.8 vs 0.7 first (ties go up), then up while at
+    least as good, down only while strictly better; a NaN never wins; only the winning
+    side's pair is read (the other pair is garbage here and must not matter)."""
+    nan = float("nan")
+    # columns: errors for ratios 1.0, 0.9, 0.8, 0.7, 0.6, 0.5
+    cases = [
+        ([9, 9, 3, 5, -1, -1], 2),      # 0.8 beats 0.7, 0.9 worse: stay (the down pair is ignored)
+        ([2, 2, 3, 5, -1, -1], 0),      # up twice, ties move up
+        ([1, 2, 3, 5, -1, -1], 0),
+        ([3, 2, 3, 5, -1, -1], 1),
+        ([9, 1, 4, 4, 0, 0], 1),        # 0.8 ties 0.7: goes up (and reads 1.0/0.9, not 0.6/0.5)
+        ([-1, -1, 5, 3, 4, 0], 3),      # 0.7 beats 0.8, 0.6 worse: stay (0.5 is not read)
+        ([-1, -1, 5, 3, 3, 0], 3),      # a tie does not move down
+        ([-1, -1, 5, 3, 2, 2], 4),
+        ([-1, -1, 5, 3, 2, 1], 5),
+        ([0, 0, nan, nan, 0, 0], 3),    # NaN: stops at 0.7
+        ([0, 0, 0, 0, 0, 0], 0),        # a zero block: all ties, up to 1.0 (scale 0 either way)
+    ]
+    err = torch.tensor([c for c, _ in cases], dtype=torch.float32).T
+    assert qz.mse_choice(err).tolist() == [want for _, want in cases]

@@ -33,7 +33,8 @@ defaults are exactly the scheme above:
   hides); elements beyond ``(2**(bits-1) - 1) * |s|`` on the far side of ``m`` clip there
   (error up to one step);
 * ``mse`` scale: per block, the scale among ``c * s_absmax`` for ``c`` in
-  :data:`MSE_CLIP_RATIOS` with the least squared quantisation error (nearest rounding;
+  :data:`MSE_CLIP_RATIOS` with the least squared quantisation error, found by a descent
+  from 0.8/0.7 (:func:`mse_choice`; four candidates evaluated, nearest rounding;
   searched in units of the absmax scale: ``t = x / s_absmax``, level ``round(t / c)``,
   error ``(t - q*c)^2`` summed in the fixed order of :func:`tree_sum_`; ties keep the
   larger ``c``); what clipping loses is carried by the error feedback;
@@ -288,23 +289,40 @@ def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.
     # candidates): candidate c's nearest level is round(t / c) (as t * fp32(1/c)) and its
     # error (t - q*c)^2, the block's error over base^2. The product and the difference are
     # rounded apart and summed in the fixed order of tree_sum_, so every implementation
-    # (the fused kernels too) gets the same bits and picks the same candidate.
+    # (the fused kernels too) gets the same bits and picks the same candidate. The
+    # reference evaluates all six; the choice (mse_choice) reads only the four a fused
+    # kernel evaluates.
     lo, hi = code_range(bits, opts)
     t = torch.div(blocks, divisor(base))
     work = torch.empty_like(blocks)
     one = torch.ones((), dtype=torch.float32, device=blocks.device)
-    best_c = best_err = None
-    for c in MSE_CLIP_RATIOS:
-        cf = torch.full((), c, dtype=torch.float32, device=blocks.device)
+    ratios = torch.tensor(MSE_CLIP_RATIOS, dtype=torch.float32, device=blocks.device)
+    errs = []
+    for cf in ratios:
         q = torch.mul(t, one / cf, out=work).round_().clamp_(lo, hi)
         torch.sub(t, q.mul_(cf), out=work).square_()
-        err = tree_sum_(work).clone()
-        if best_c is None:
-            best_c, best_err = torch.full_like(err, c), err
-        else:  # strictly better only: ties keep the larger ratio; NaN never wins
-            better = err < best_err
-            best_c, best_err = torch.where(better, cf, best_c), torch.where(better, err, best_err)
-    return base * best_c
+        errs.append(tree_sum_(work).clone())
+    return base * ratios[mse_choice(torch.stack(errs))]
+
+
+def mse_choice(err: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the index into :data:`MSE_CLIP_RATIOS` that the mse scale takes, from
+    fp32 ``[6, n]`` candidate errors in that order (1.0, 0.9, ..., 0.5).
+
+    A descent from the middle rather than the least of six: compare 0.8 with 0.7, then
+    step towards the better one while the next ratio is at least as good (towards larger
+    ratios: ties keep the larger, as the full search did) or strictly better (towards
+    smaller ones), two steps at most. It reads four errors: the pair 0.8/0.7 and the pair
+    on the winning side, which is all a fused kernel computes (two sweeps of the block
+    instead of three). The block's error is close to unimodal in the ratio, so this is the
+    least of six nearly always (``tests/test_quant_options.py`` bounds the quality lost; the
+    2-bit study in docs/loco.md was rerun with it). A NaN error never wins: NaN compares
+    false, so a non-finite block stops at 0.7 (its scale is non-finite whatever the ratio).
+    """
+    up = err[2] <= err[3]
+    i_up = torch.where(err[1] <= err[2], torch.where(err[0] <= err[1], 0, 1), 2)
+    i_down = torch.where(err[4] < err[3], torch.where(err[5] < err[4], 5, 4), 3)
+    return torch.where(up, i_up, i_down)
 
 
 def tree_sum_(t: torch.Tensor) -> torch.Tensor:

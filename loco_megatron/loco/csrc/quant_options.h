@@ -281,8 +281,8 @@ LOCO_OPT_INLINE void candidate_errors(const float* t, int B, float lo, float hi,
 // quantize.option_scales of one block: the absmax (or signed-extreme) scale `base`; for
 // mse the candidate base * c, c in kClip, whose nearest levels have the least squared
 // error, searched in units of the base (t = x / base, one division per element; level
-// round(t * fp32(1/c)), error (t - q*c)^2 summed by tree_sum). Ties keep the larger c; a
-// NaN error never wins (a non-finite or zero base keeps c = 1). t and e: B floats each.
+// round(t * fp32(1/c)), error (t - q*c)^2 summed by tree_sum), chosen by the descent of
+// quantize.mse_choice. t and e: B floats each.
 template <int BITS>
 LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, float* t, float* e, int B) {
   constexpr int bits = BITS;
@@ -299,26 +299,23 @@ LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, float* t, f
   const float d = divisor(base);
 #pragma omp simd
   for (int i = 0; i < B; ++i) t[i] = x[i] / d;
-  int best = 0;
-  float best_e = 0.0f;
   const int H = B / 8;  // the tree's first three halvings are fused into the sweep
-  // Two candidates per sweep over t (t is read once for both).
+  // Two candidates per sweep over t (t is read once for both): first 0.8 and 0.7, then
+  // the pair on the winning side (quantize.mse_choice: a descent, four of the six).
   float* e2 = e + H;
   const bool pow2 = H >= 8 && (H & (H - 1)) == 0;
-  for (int c = 0; c < kNumClip; c += 2) {
-    candidate_errors<BITS>(t, B, lo, hi, c, e, e2);
-    float err0, err1;
-    if (pow2) tree_sum2(e, e2, H, &err0, &err1);
-    else err0 = tree_sum(e, H), err1 = tree_sum(e2, H);
-    if (c == 0 || err0 < best_e) {
-      best = c;
-      best_e = err0;
-    }
-    if (err1 < best_e) {
-      best = c + 1;
-      best_e = err1;
-    }
-  }
+  // err8/err7, then the winning side's pair (errA, errB) = (1.0, 0.9) or (0.6, 0.5).
+  float err8, err7, errA, errB;
+  candidate_errors<BITS>(t, B, lo, hi, 2, e, e2);
+  if (pow2) tree_sum2(e, e2, H, &err8, &err7);
+  else err8 = tree_sum(e, H), err7 = tree_sum(e2, H);
+  const bool up = err8 <= err7;  // towards larger ratios: ties move (keep the larger)
+  candidate_errors<BITS>(t, B, lo, hi, up ? 0 : 4, e, e2);
+  if (pow2) tree_sum2(e, e2, H, &errA, &errB);
+  else errA = tree_sum(e, H), errB = tree_sum(e2, H);
+  int best;
+  if (up) best = errB <= err8 ? (errA <= errB ? 0 : 1) : 2;
+  else best = errA < err7 ? (errB < errA ? 5 : 4) : 3;  // only strictly better; NaN stops at 0.7
   return base * kClip[best];
 }
 
