@@ -9,7 +9,7 @@ Reads ``RESULTS/speed`` (``benchmarks/speed.py --out``), ``RESULTS/quality``
 ``benchmarks/kernels.py``), copies the plots next to the markdown, and computes the
 headline ratios against the targets of the benchmark issue. The 2-bit section comes
 from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
-``RESULTS/quality2bit_long`` (``--iters 400``) when present;
+``RESULTS/quality2bit_long`` and ``RESULTS/quality2bit_descent`` (``--iters 400``) when present;
 
     python benchmarks/report.py --results results --sections 2bit
 
@@ -343,7 +343,8 @@ def headline_two_bit(md: str, label: str) -> list[str]:
 
 def two_bit_section(res: pathlib.Path) -> list[str]:
     """Section 7 from RESULTS/quality2bit (and RESULTS/quality2bit_long) when present."""
-    parts = [(res / "quality2bit" / "quality.md", "200 steps"), (res / "quality2bit_long" / "quality.md", "long run")]
+    parts = [(res / "quality2bit" / "quality.md", "200 steps"), (res / "quality2bit_long" / "quality.md", "long run"),
+             (res / "quality2bit_descent" / "quality.md", "long run, current code")]
     parts = [(p.read_text(), label) for p, label in parts if p.is_file()]
     if not parts:
         return []
@@ -351,9 +352,15 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
            "Quantiser options at 2 bits (u = uniform grid, m = MSE-clipped scale, h = block Hadamard",
            "rotation, s = stochastic rounding; none = the original symmetric absmax scheme), with LoCo's",
            "error feedback and without; then a longer run of full precision, the 2-bit default and the",
-           "original scheme.", "", "```bash",
+           "original scheme; then the longer run again with the current code (the uniform grid with a",
+           "zero level of issue 21 and the mse descent of issue 22, docs/kernels.md), with the",
+           "parameters at 2 bits too. The first two tables predate both: their uniform-grid rows (u,",
+           "and the 2-bit default) used the former half-integer grid and the six-candidate search.",
+           "", "```bash",
            "python benchmarks/quality.py --out results/quality2bit --variants 2bit --seeds 1234,1235",
            "python benchmarks/quality.py --out results/quality2bit_long --iters 400 --variants fp32,loco2d,loco2 "
+           "--seeds 1234,1235",
+           "python benchmarks/quality.py --out results/quality2bit_descent --iters 400 --variants fp32,loco2d,loco2p2 "
            "--seeds 1234,1235",
            "python benchmarks/report.py --results results --sections 2bit", "```", ""]
     for md, label in parts:
