@@ -153,8 +153,8 @@ def test_options_decompress_sum_matches_reference(tk, bits, case, out_dtype):
     for r in range(world):
         comp = LoCoCompressor(layout.compressed_numel, bits=bits, device=DEVICE, options=opts)
         g = torch.randn(layout.compressed_numel, device=DEVICE) * (r + 1)
-        g[:512] = 0.0  # zero blocks: q = 0 under a signed scale is -0.0 on some ranks
-        rows.append(layout.pack(*comp.compress(g))[1])
+        g[:512] = 0.0  # zero blocks (in row 0, the one kept): their uniform scale is -0.0, so D = -0.0
+        rows.append(layout.pack(*comp.compress(g))[0])
     recv = torch.stack(rows).contiguous()
     want = torch.full((shard + 5,), 42.0, dtype=out_dtype, device=DEVICE)
     got = want.clone()
