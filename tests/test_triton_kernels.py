@@ -187,11 +187,14 @@ def test_jit_functions_read_only_constexpr_globals(tk):
     assert not bad, bad
 
 
-def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("bits", ["4", "2"])
+def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch, bits):
     """Guards against a wiring bug between the kernels and megatron's buckets: 2-rank
     training with --loco-kernels triton (interpreted) follows the torch path - equal
-    losses while the error is still zero or identical, close afterwards."""
-    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
+    losses while the error is still zero or identical, close afterwards. 2 bits runs the
+    2-bit default options (uniform grid, mse scale, Hadamard rotation) on both paths: the
+    options and the rotated receive side must reach the kernels through the hooks."""
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", bits]
     _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _, fused = torchrun(2, args + ["--loco-kernels", "triton"], cache_dir, tmp_path, name="triton")
