@@ -212,7 +212,7 @@ def test_tile_offsets_are_64_bit(tk):
     import triton
     import triton.language as tl
 
-    globals()["_tile_under_test"] = tk._tile  # a jit function resolves callees from its globals
+    globals()["_tile_under_test"] = tk.jit.tile  # a jit function resolves callees from its globals
 
     @triton.jit
     def probe(out_ptr, pid, ROWS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):

@@ -30,10 +30,8 @@ import triton
 
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
-from loco_megatron.loco.triton_kernels import jit as _jit
+from loco_megatron.loco.triton_kernels import jit, kernels  # noqa: F401  (tk.jit, tk.kernels)
 from loco_megatron.loco.triton_kernels.kernels import _compress_kernel, _decompress_sum_kernel
-
-_round_half_even, _mul, _tile = _jit.round_half_even, _jit.mul, _jit.tile  # older names (tests)
 
 __all__ = ["compress", "decompress_sum", "triton_interpreted"]
 
@@ -66,6 +64,13 @@ def _signs(opts: qz.QuantOptions, block_size: int, like: torch.Tensor) -> Option
     return _signs_cached(block_size, opts.seed, str(like.device)) if opts.rotation == "hadamard" else None
 
 
+def _as_i32(key: int) -> int:
+    """The 32-bit key as a signed int32 (the kernel reinterprets it as uint32): always an
+    ``i32`` argument, so keys from 2**31 on do not compile a second (``i64``) copy."""
+    key = int(key) & 0xFFFFFFFF
+    return key - (1 << 32) if key >= 1 << 31 else key
+
+
 def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_size: int,
              new_err, new_err_scales, stats: torch.Tensor, row_numel: int = None,
              row_blocks: int = None, num_blocks: int = None, options: Optional[qz.QuantOptions] = None,
@@ -95,7 +100,7 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
         g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
         new_err if has_err else dummy, new_err_scales if has_err else dummy, stats,
         dummy if signs is None else signs, numel, nb, row_numel, row_blocks, float(beta), 1.0 - beta,
-        block_size ** -0.5, int(key) & 0xFFFFFFFF,
+        block_size ** -0.5, _as_i32(key),
         BITS=bits, B=block_size, LOG_B=block_size.bit_length() - 1, ROWS=rows, HAS_ERR=has_err,
         UNIFORM=opts.quantizer == "uniform", MSE=opts.scale == "mse", ROTATE=signs is not None,
         STOCHASTIC=opts.rounding == "stochastic", NO_FMA=_no_fma(g))

@@ -28,7 +28,7 @@ CONFIGS = {
 _COMPRESS_ARGS = {"g_ptr": "*fp32", "err_ptr": "*i8", "err_s_ptr": "*fp32", "codes_ptr": "*u8",
                   "scales_ptr": "*fp32", "new_err_ptr": "*i8", "new_err_s_ptr": "*fp32", "stats_ptr": "*fp32",
                   "signs_ptr": "*fp32", "numel": "i32", "num_blocks": "i32", "row_numel": "i32",
-                  "row_blocks": "i32", "beta": "fp32", "alpha": "fp32", "rot_scale": "fp32", "key": "u32"}
+                  "row_blocks": "i32", "beta": "fp32", "alpha": "fp32", "rot_scale": "fp32", "key": "i32"}
 _DECOMPRESS_ARGS = {"recv_ptr": "*u8", "recv_f32_ptr": "*fp32", "out_ptr": "*fp32", "signs_ptr": "*fp32",
                     "shard": "i32", "shard_blocks": "i32", "row_bytes": "i32", "code_bytes": "i32",
                     "scale": "fp32", "rot_scale": "fp32"}

@@ -118,36 +118,39 @@ def tree_sum(x, ROWS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr):
 
 
 @triton.jit
-def candidate_error(t, c, inv, LO: tl.constexpr, HI: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr,
-                    LOG_B: tl.constexpr, NO_FMA: tl.constexpr):
-    """Squared error of clip ratio ``c`` in units of the base scale (quantize.option_scales):
-    ``q = clamp(round(t * inv))``, ``sum_tree((t - q*c)^2)``; ``[ROWS]``. A NaN ``t`` gives a
-    NaN error whatever ``q`` the clamp makes of it."""
-    q = round_half_even(mul(t, inv, NO_FMA))
-    q = tl.minimum(tl.maximum(q, LO * 1.0), HI * 1.0)
-    r = t - mul(q, c, NO_FMA)
-    return tree_sum(mul(r, r, NO_FMA), ROWS, B, LOG_B)
-
-
-@triton.jit
-def pick(best_c, best_e, c, e):
-    """Strictly better only: ties keep the larger (earlier) ratio; NaN never wins."""
-    better = e < best_e
-    return tl.where(better, c, best_c), tl.where(better, e, best_e)
+def clip_ratios(k):
+    """``(c, fp32(1/c))`` of candidate ``k`` (int32 tensor, 0..7; 6 and 7 repeat the last
+    ratio to make the axis a power of two and are never picked)."""
+    c = tl.where(k == 0, CLIP0, tl.where(k == 1, CLIP1, tl.where(k == 2, CLIP2, tl.where(
+        k == 3, CLIP3, tl.where(k == 4, CLIP4, CLIP5)))))
+    inv = tl.where(k == 0, INV0, tl.where(k == 1, INV1, tl.where(k == 2, INV2, tl.where(
+        k == 3, INV3, tl.where(k == 4, INV4, INV5)))))
+    return c.to(tl.float32), inv.to(tl.float32)
 
 
 @triton.jit
 def mse_scale(h, base, LO: tl.constexpr, HI: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr,
               LOG_B: tl.constexpr, NO_FMA: tl.constexpr):
-    """quantize.option_scales' mse search of ``[ROWS, B]`` blocks around ``base`` ``[ROWS]``."""
-    t = tl.math.div_rn(h, divisor(base)[:, None])
-    best_e = candidate_error(t, CLIP0, INV0, LO, HI, ROWS, B, LOG_B, NO_FMA)
+    """quantize.option_scales' mse search of ``[ROWS, B]`` blocks around ``base`` ``[ROWS]``:
+    in units of the base, ``t = h / base``; candidate ``c``'s error ``sum_tree((t - q*c)^2)``
+    with ``q = clamp(round(t * fp32(1/c)))`` (all candidates as one ``[ROWS, 8, B]`` tile, so
+    the tree's halvings run once); then, in the order of the ratios, a candidate replaces
+    the best only when strictly better (ties keep the larger ratio; a NaN error never wins;
+    a NaN ``t`` has a NaN error whatever level the clamp makes of it)."""
+    t = tl.math.div_rn(h, divisor(base)[:, None])[:, None, :]
+    k = tl.arange(0, 8)
+    c, inv = clip_ratios(k)
+    q = round_half_even(mul(t, inv[None, :, None], NO_FMA))
+    q = tl.minimum(tl.maximum(q, LO * 1.0), HI * 1.0)
+    r = t - mul(q, c[None, :, None], NO_FMA)
+    err = tl.reshape(tree_sum(tl.reshape(mul(r, r, NO_FMA), (ROWS * 8, B)), ROWS * 8, B, LOG_B), (ROWS, 8))
     best_c = tl.full((ROWS,), CLIP0, tl.float32)
-    best_c, best_e = pick(best_c, best_e, CLIP1, candidate_error(t, CLIP1, INV1, LO, HI, ROWS, B, LOG_B, NO_FMA))
-    best_c, best_e = pick(best_c, best_e, CLIP2, candidate_error(t, CLIP2, INV2, LO, HI, ROWS, B, LOG_B, NO_FMA))
-    best_c, best_e = pick(best_c, best_e, CLIP3, candidate_error(t, CLIP3, INV3, LO, HI, ROWS, B, LOG_B, NO_FMA))
-    best_c, best_e = pick(best_c, best_e, CLIP4, candidate_error(t, CLIP4, INV4, LO, HI, ROWS, B, LOG_B, NO_FMA))
-    best_c, best_e = pick(best_c, best_e, CLIP5, candidate_error(t, CLIP5, INV5, LO, HI, ROWS, B, LOG_B, NO_FMA))
+    best_e = tl.sum(tl.where(k[None, :] == 0, err, 0.0), axis=1)  # x + 0.0 + ... == x (NaN stays NaN)
+    for j in tl.static_range(1, 6):
+        e = tl.sum(tl.where(k[None, :] == j, err, 0.0), axis=1)
+        better = e < best_e
+        best_c = tl.where(better, tl.sum(tl.where(k == j, c, 0.0), axis=0), best_c)
+        best_e = tl.where(better, e, best_e)
     return mul(base, best_c, NO_FMA)
 
 
