@@ -8,7 +8,9 @@ times, on the GPU when one is present (else the CPU, with 1 and 2 of torch's thr
 * ``copy``: ``dst.copy_(grad)`` of the bucket (the machine's memory-copy speed on the
   same bytes);
 * ``compress``: one LoCo step (compensate, block absmax, quantise, pack, moving-average
-  error update, int8 re-quantisation of the error) at 4 bits;
+  error update, int8 re-quantisation of the error) at ``--bits`` with the quantiser
+  options a run of that many bits uses by default (2 bits: uniform grid, mse scale,
+  Hadamard rotation; 4 and 8: the original scheme);
 * ``decompress+sum``: unpack, dequantise and sum in fp32 the ``--world`` received chunks
   of one shard (a bucket's worth of elements in total).
 
@@ -35,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from loco_megatron.config.loco import LoCoConfig  # noqa: E402
+from loco_megatron.loco import quantize as qz  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout, decompress_into  # noqa: E402
 from loco_megatron.loco.compressor import LoCoCompressor  # noqa: E402
 from loco_megatron.loco.kernel_choice import resolve_kernels  # noqa: E402
@@ -203,9 +207,11 @@ def main() -> None:
     if args.mechanisms:
         return mechanisms(sizes[0], args.bits, args.repeats)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = LoCoConfig(loco_bits=args.bits)  # the options a run of --loco-bits N uses by default (2 bits: not plain)
+    opts = qz.QuantOptions(cfg.loco_quantizer, cfg.loco_scale, cfg.loco_rotation, cfg.loco_rounding)
     try:
         kernels = resolve_kernels(args.kernels, device.type, os.environ.get("TRITON_INTERPRET") == "1",
-                                  args.bits, 256, 8, True)
+                                  args.bits, 256, 8, True, options=opts.non_default())
         threads = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [None]
     except ValueError as e:
         sys.exit(f"error: {e}")
@@ -216,7 +222,8 @@ def main() -> None:
     median = _timer(device)
     impls = [kernels] + (["torch"] if kernels != "torch" else [])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"LoCo {args.bits}-bit {kernels} kernels on {where}; W={args.world}, median of {args.repeats}; "
+    named = "/".join((opts.quantizer, opts.scale, opts.rotation, opts.rounding))
+    print(f"LoCo {args.bits}-bit ({named}) {kernels} kernels on {where}; W={args.world}, median of {args.repeats}; "
           f"throughput = fp32 gradient bytes / wall time, ratio = copy time / time (wall; cpu: CPU time)")
     print(f"{'elements':>12} {'threads':>7} {'kernels':>7} {'copy GB/s':>10} {'compress GB/s':>14} {'ratio':>6} "
           f"{'cpu':>6} {'decomp+sum GB/s':>16} {'ratio':>6} {'cpu':>6}")
@@ -226,7 +233,7 @@ def main() -> None:
         torch.manual_seed(0)
         grad = torch.randn(n, device=device)
         dst = torch.empty_like(grad)
-        layout = ShardLayout(n, args.world, args.bits, 256)
+        layout = ShardLayout(n, args.world, args.bits, 256, options=opts)
         padded = layout.padded(grad).reshape(-1)
         shard = torch.empty(layout.shard, device=device)
         fast: dict = {}
@@ -235,7 +242,8 @@ def main() -> None:
                 torch.set_num_threads(t)
             copy_s, copy_c = median(lambda: dst.copy_(grad), args.repeats)
             for impl in impls:
-                comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl)
+                comp = LoCoCompressor(layout.compressed_numel, bits=args.bits, device=device, kernels=impl,
+                                      options=opts)
                 comp_s, comp_c = median(lambda: comp.compress(padded, ws), args.repeats)
                 recv = layout.pack(*comp.compress(padded, ws))
                 decompress = _decompressor(impl)

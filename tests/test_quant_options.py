@@ -223,7 +223,7 @@ def test_compressor_matches_spec_chunked_and_telescopes(opts):
 
 def test_state_and_option_checks():
     """Guards against resuming a rotated error buffer without (or with another) rotation,
-    fused kernels silently ignoring an option, and bad option values getting through."""
+    a kernel choice refusing an option its kernels implement, and bad option values getting through."""
     a = LoCoCompressor(600, bits=2, options=ALL)
     a.compress(torch.randn(600))
     b = LoCoCompressor(600, bits=2, options=ALL)
@@ -233,14 +233,12 @@ def test_state_and_option_checks():
 
     with pytest.raises(LoCoStateMismatch, match="rotation hadamard"):
         LoCoCompressor(600, bits=2).load_state_dict(a.state_dict())
-    # The C++ kernels implement every option; the Triton kernels none (auto on CUDA: torch, saying why).
-    with pytest.raises(ValueError, match="--loco-kernels triton does not implement --loco-quantizer "
-                                         "uniform, --loco-scale mse"):
-        resolve_kernels("triton", "cpu", True, 2, 256, 8, True, options=ALL.non_default())
+    # The C++ and the Triton kernels implement every option (auto on CUDA: triton).
+    assert resolve_kernels("triton", "cpu", True, 2, 256, 8, True, options=ALL.non_default()) == "triton"
+    assert resolve_kernels("auto", "cuda", False, 2, 256, 8, True, options=ALL.non_default()) == "triton"
     assert resolve_kernels("cpu", "cpu", True, 2, 256, 8, True, options=ALL.non_default()) == "cpu"
     assert resolve_kernels("auto", "cpu", True, 2, 256, 8, True, options=ALL.non_default()) == "cpu"
-    with pytest.raises(ValueError, match="do not implement --loco-quantizer uniform"):
-        LoCoCompressor(600, bits=2, kernels="triton", options=ALL)
+    assert LoCoCompressor(600, bits=2, kernels="triton", options=ALL).options == ALL
     with pytest.raises(ValueError, match="rounding must be one of"):
         qz.QuantOptions(rounding="up")
     with pytest.raises(ConfigError, match="--loco-rotation: hadamard .* needs a power-of-two"):

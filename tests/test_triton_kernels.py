@@ -132,7 +132,8 @@ def test_decompress_sum_matches_reference(tk, bits, out_dtype):
 
 def test_kernel_selection():
     """Guards against silently running the slow interpreter, or failing with a traceback,
-    when --loco-kernels asks for something this machine cannot do."""
+    when --loco-kernels asks for something this machine cannot do, and against auto on
+    CUDA leaving the quantiser options (the 2-bit default) to the slower torch path."""
     assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "cpu"  # the C++ kernels on CPU
     assert resolve_kernels("auto", "cpu", True, 4, 256, 8, True) == "cpu"  # never auto-interpret
     assert resolve_kernels("torch", "cuda", False, 4, 256, 8, True) == "torch"
@@ -144,12 +145,15 @@ def test_kernel_selection():
         resolve_kernels("triton", "cuda", False, 4, 192, 8, True)
     with pytest.raises(ValueError, match="int8 error buffer"):
         resolve_kernels("triton", "cuda", False, 4, 256, 32, True)
-    # auto on CUDA with an option the Triton kernels lack: torch, and the start-up line says why
+    # auto on CUDA with the 2-bit default options: the Triton kernels implement them
     two_bit = ["--loco-quantizer uniform", "--loco-scale mse", "--loco-rotation hadamard"]
-    kernels, why = choose_kernels("auto", "cuda", False, 2, 256, 8, True, options=two_bit)
-    assert (kernels, why) == ("torch", "--loco-kernels triton does not implement " + ", ".join(two_bit))
-    assert kernels_line(kernels, True, 4, why) == f"kernels: grads torch, params torch; torch because {why}"
+    assert choose_kernels("auto", "cuda", False, 2, 256, 8, True, options=two_bit) == ("triton", None)
     assert choose_kernels("auto", "cuda", False, 4, 256, 8, True) == ("triton", None)
+    assert kernels_line("triton", True, 2, None) == "kernels: grads triton, params torch"
+    # a shape they cannot serve still falls back on auto, saying why
+    kernels, why = choose_kernels("auto", "cuda", False, 2, 192, 8, True, options=two_bit)
+    assert (kernels, why) == ("torch", "--loco-kernels triton needs a power-of-two --loco-block-size, got 192")
+    assert kernels_line(kernels, True, 4, why) == f"kernels: grads torch, params torch; torch because {why}"
 
 
 def test_jit_functions_read_only_constexpr_globals(tk):
@@ -166,8 +170,11 @@ def test_jit_functions_read_only_constexpr_globals(tk):
     from triton.runtime.interpreter import InterpretedFunction
 
     kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)  # compiled / interpreted
-    jitted = {name: obj for name, obj in vars(tk).items() if isinstance(obj, kinds)}
-    assert "_compress_kernel" in jitted and "_round_half_even" in jitted
+    modules = [tk] + [m for m in vars(tk).values() if isinstance(m, types.ModuleType)
+                      and m.__name__.startswith(tk.__name__ + ".")]
+    jitted = {f"{m.__name__}.{name}": obj for m in modules for name, obj in vars(m).items() if isinstance(obj, kinds)}
+    names = {name.rsplit(".", 1)[1] for name in jitted}
+    assert {"_compress_kernel", "_decompress_sum_kernel", "round_half_even", "wht", "mse_scale", "mix32"} <= names
     bad = []
     for name, fn in jitted.items():
         code, glb = fn.fn.__code__, fn.fn.__globals__
@@ -180,11 +187,14 @@ def test_jit_functions_read_only_constexpr_globals(tk):
     assert not bad, bad
 
 
-def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("bits", ["4", "2"])
+def test_training_with_triton_kernels_matches_torch(cache_dir, tmp_path, monkeypatch, bits):
     """Guards against a wiring bug between the kernels and megatron's buckets: 2-rank
     training with --loco-kernels triton (interpreted) follows the torch path - equal
-    losses while the error is still zero or identical, close afterwards."""
-    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
+    losses while the error is still zero or identical, close afterwards. 2 bits runs the
+    2-bit default options (uniform grid, mse scale, Hadamard rotation) on both paths: the
+    options and the rotated receive side must reach the kernels through the hooks."""
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", bits]
     _, ref = torchrun(2, args + ["--loco-kernels", "torch"], cache_dir, tmp_path, name="torch")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _, fused = torchrun(2, args + ["--loco-kernels", "triton"], cache_dir, tmp_path, name="triton")
@@ -202,7 +212,7 @@ def test_tile_offsets_are_64_bit(tk):
     import triton
     import triton.language as tl
 
-    globals()["_tile_under_test"] = tk._tile  # a jit function resolves callees from its globals
+    globals()["_tile_under_test"] = tk.jit.tile  # a jit function resolves callees from its globals
 
     @triton.jit
     def probe(out_ptr, pid, ROWS: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):

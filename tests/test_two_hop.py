@@ -109,3 +109,77 @@ def test_training_with_two_hop_loco(cache_dir, tmp_path, extra):
     formula = raw_elements / 2 / 2 * (0.5 + 4 / 256)
     assert formula <= last["comm/grad_bytes_sent_inter"] <= formula * 1.1
     assert last["comm/grad_bytes_sent_intra"] > last["comm/grad_bytes_sent_inter"]  # 8/16-bit inside the node
+
+
+def _kernels_worker(rank, port, queue, collected):
+    """Both hops and a flat compressed reduce-scatter with the 2-bit default options (+
+    stochastic rounding), on the torch path and on the Triton kernels (interpreted on CPU:
+    TRITON_INTERPRET=1 is inherited from the pytest process); puts this rank's outputs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from loco_megatron.loco import quantize as qz
+        from loco_megatron.loco import triton_kernels
+        from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into
+
+        opts = qz.QuantOptions("uniform", "mse", "hadamard", "stochastic", seed=5)
+        ng = build_node_groups([dist.group.WORLD], PER_NODE)[0]
+        n = WORLD * SHARD
+        layout = TwoHopLayout(n, ng.nodes, ng.per_node, 8, 2, 256, options=opts)
+        flat = ShardLayout(n, WORLD, 2, 256, options=opts)
+        out = {}
+        for kernels, decompress in (("torch", decompress_into), ("triton", triton_kernels.decompress_sum)):
+            mk = lambda shape, bits: LoCoCompressor(**shape, bits=bits, options=opts, kernels=kernels,  # noqa: E731
+                                                    stream=rank)
+            intra, inter, one = mk(layout.intra.compressor_shape(), 8), mk(layout.inter.compressor_shape(), 2), \
+                mk(flat.compressor_shape(), 2)
+            got = []
+            for step in range(2):  # the second step carries the error of the first
+                g = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step))
+                buf = g.clone()
+                work, _ = two_hop_reduce_scatter(buf, layout, ng, intra.compress, inter.compress, average=True,
+                                                 decompress=decompress)
+                work.wait()
+                buf2 = g.clone()
+                work2, _ = compressed_reduce_scatter(buf2, one.compress, flat, dist.group.WORLD, average=True,
+                                                     decompress=decompress)
+                work2.wait()
+                got.append((buf.clone(), buf2.clone()))
+            out[kernels] = got
+        queue.put((rank, out))
+        collected.wait(timeout=300)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_hop_triton_kernels_with_options_match_torch():
+    """Guards against the two-hop path (and the flat compressed reduce-scatter) losing the
+    quantiser options on the Triton kernels - the options or noise key not reaching the
+    compress kernel, a hop's receiver not unrotating or dropping the uniform grid's signed
+    scales: on 4 gloo ranks (2 nodes x 2), the 2-bit default + stochastic rounding, every
+    rank's buffer equals the torch path's bit for bit in the first step, and to ulps in the
+    second (the interpreter's tl.fma is a rounded product plus a rounded sum, torch's
+    addcmul on CPU one FMA, so the stored errors may differ in the last bit; measured: at
+    most 3.6e-7 on values of about 3.6, in 5% of one rank's elements)."""
+    ctx = mp.get_context("spawn")
+    queue, collected = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_kernels_worker, args=(r, port, queue, collected)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=300) for _ in range(WORLD)]
+    finally:
+        collected.set()
+        for p in procs:
+            p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    for rank, out in results:
+        for step, ((a_hop, a_flat), (b_hop, b_flat)) in enumerate(zip(out["torch"], out["triton"])):
+            if step == 0:  # the error buffers are still zero: bit for bit
+                assert torch.equal(a_hop.view(torch.int32), b_hop.view(torch.int32)), rank
+                assert torch.equal(a_flat.view(torch.int32), b_flat.view(torch.int32)), rank
+            else:  # the interpreter's FMA rounds twice (torch's addcmul once): ulps of the error
+                torch.testing.assert_close(a_hop, b_hop, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(a_flat, b_flat, rtol=1e-6, atol=1e-6)

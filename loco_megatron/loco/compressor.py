@@ -102,8 +102,6 @@ class LoCoCompressor:
             raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
         self.options = options or qz.DEFAULT_OPTIONS
         self._plain = not self.options.non_default()  # today's scheme: the exact fast torch ops
-        if kernels == "triton" and not self._plain:
-            raise ValueError(f"the {kernels} kernels do not implement {', '.join(self.options.non_default())}")
         if self.options.rotation == "hadamard":
             rot.check_block_size(block_size)
         if kernels == "cpu":
@@ -318,10 +316,10 @@ class LoCoCompressor:
         new_err = ws.get("new_err", shape, dev, torch.int8) if ef else None
         new_scales = ws.get("new_err_scales", (self.num_blocks,), dev) if ef else None
         stats = ws.get("stats", (self.num_blocks, 3), dev)
-        codes, scales = triton_kernels.compress(grad.reshape(-1), self._err, self._err_scales, self.beta,
-                                                self.bits, self.block_size, new_err, new_scales, stats,
-                                                row_numel=self.row_numel, row_blocks=self.row_blocks,
-                                                num_blocks=self.num_blocks)
+        codes, scales = triton_kernels.compress(
+            grad.reshape(-1), self._err, self._err_scales, self.beta, self.bits, self.block_size, new_err, new_scales,
+            stats, row_numel=self.row_numel, row_blocks=self.row_blocks, num_blocks=self.num_blocks,
+            options=self.options, key=qz.noise_key(self.options.seed, self.stream, self.step))
         finite = torch.isfinite(scales).all()
         if ef:  # the NaN/Inf rule needs the whole buffer's verdict: select on the device
             torch.where(finite, new_err, self._err, out=self._err)

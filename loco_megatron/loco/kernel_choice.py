@@ -18,9 +18,8 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
     is asked for and cannot run this configuration.
 
     ``options``: the quantiser options in use that differ from the original scheme (as
-    flags, :meth:`.quantize.QuantOptions.non_default`). The C++ kernels implement all of
-    them; the Triton kernels none, so ``auto`` on CUDA then picks torch (and says so) and
-    an explicit ``triton`` names them.
+    flags, :meth:`.quantize.QuantOptions.non_default`). Both the C++ and the Triton
+    kernels implement all of them (kept for callers; it refuses nothing).
 
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
@@ -48,8 +47,6 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
         why = "triton is not installed (pip install -r requirements-triton.txt)"
     elif device_type != "cuda" and not interpret:
         why = "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
-    elif options:
-        why = f"does not implement {', '.join(options)}"
     elif block_size & (block_size - 1) or block_size < 8 * (8 // bits):
         why = f"needs a power-of-two --loco-block-size, got {block_size}"
     elif error_feedback and error_bits != 8:
@@ -59,7 +56,7 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
             return "triton", None
         return "torch", (f"--loco-kernels triton {why}" if device_type == "cuda" else None)
     if why is not None:
-        raise ValueError(f"--loco-kernels triton {why}" + (" (use torch, cpu or auto)" if options else ""))
+        raise ValueError(f"--loco-kernels triton {why}")
     return "triton", None
 
 
