@@ -16,6 +16,7 @@ from conftest import REPO
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
+from loco_megatron.loco.triton_kernels import jit as J  # after conftest chose the interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 O = qz.QuantOptions
@@ -168,12 +169,31 @@ def test_options_decompress_sum_matches_reference(tk, bits, case, out_dtype):
 def test_mse_constants():
     """Guards against the kernels' clip ratios drifting from quantize.MSE_CLIP_RATIOS or
     their reciprocals from torch's fp32(1 / fp32(c)) (a silent change of the mse search)."""
-    from loco_megatron.loco.triton_kernels import jit as J
-
     for i, c in enumerate(qz.MSE_CLIP_RATIOS):
         cf = torch.tensor(c, dtype=torch.float32)
         assert getattr(J, f"CLIP{i}").value == float(cf)
         assert getattr(J, f"INV{i}").value == float(torch.ones((), dtype=torch.float32) / cf)
+
+
+def test_mse_pick_is_the_descent(tk):
+    """Guards against the Triton mse choice drifting from quantize.mse_choice (the CPU
+    kernel and torch take the descent; a least-of-six here would pick other scales in the
+    rare blocks where the two differ, and no random-gradient test would notice): errors
+    with many ties and NaNs, picked by the jit helper in a small kernel, equal torch's."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pick(err_ptr, out_ptr, ROWS: tl.constexpr):
+        r, k = tl.arange(0, ROWS), tl.arange(0, 8)
+        tl.store(out_ptr + r, J.mse_pick(tl.load(err_ptr + r[:, None] * 8 + k[None, :]), k))
+
+    gen = torch.Generator().manual_seed(3)
+    err = torch.randint(0, 3, (256, 8), generator=gen).float()  # 3 values: ties everywhere
+    err[torch.rand(256, 8, generator=gen) < 0.05] = float("nan")
+    out = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    pick[(1,)](err.to(DEVICE), out, ROWS=256)
+    assert torch.equal(out.cpu().long(), qz.mse_choice(err[:, :6].T))
 
 
 def test_kernels_compile_for_sm90():

@@ -129,14 +129,20 @@ def clip_ratios(k):
 
 
 @triton.jit
+def column(err, k, j: tl.constexpr):
+    """Column ``j`` of ``[ROWS, 8]`` (``k = arange(8)``) as ``[ROWS]``: x + 0.0 + ... == x,
+    NaN stays NaN."""
+    return tl.sum(tl.where(k[None, :] == j, err, 0.0), axis=1)
+
+
+@triton.jit
 def mse_scale(h, base, LO: tl.constexpr, HI: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr,
               LOG_B: tl.constexpr, NO_FMA: tl.constexpr):
     """quantize.option_scales' mse search of ``[ROWS, B]`` blocks around ``base`` ``[ROWS]``:
     in units of the base, ``t = h / base``; candidate ``c``'s error ``sum_tree((t - q*c)^2)``
     with ``q = clamp(round(t * fp32(1/c)))`` (all candidates as one ``[ROWS, 8, B]`` tile, so
-    the tree's halvings run once); then, in the order of the ratios, a candidate replaces
-    the best only when strictly better (ties keep the larger ratio; a NaN error never wins;
-    a NaN ``t`` has a NaN error whatever level the clamp makes of it)."""
+    the tree's halvings run once); then the descent of ``quantize.mse_choice`` (a NaN ``t``
+    has a NaN error whatever level the clamp makes of it, and a NaN error never wins)."""
     t = tl.math.div_rn(h, divisor(base)[:, None])[:, None, :]
     k = tl.arange(0, 8)
     c, inv = clip_ratios(k)
@@ -144,14 +150,21 @@ def mse_scale(h, base, LO: tl.constexpr, HI: tl.constexpr, ROWS: tl.constexpr, B
     q = tl.minimum(tl.maximum(q, LO * 1.0), HI * 1.0)
     r = t - mul(q, c[None, :, None], NO_FMA)
     err = tl.reshape(tree_sum(tl.reshape(mul(r, r, NO_FMA), (ROWS * 8, B)), ROWS * 8, B, LOG_B), (ROWS, 8))
-    best_c = tl.full((ROWS,), CLIP0, tl.float32)
-    best_e = tl.sum(tl.where(k[None, :] == 0, err, 0.0), axis=1)  # x + 0.0 + ... == x (NaN stays NaN)
-    for j in tl.static_range(1, 6):
-        e = tl.sum(tl.where(k[None, :] == j, err, 0.0), axis=1)
-        better = e < best_e
-        best_c = tl.where(better, tl.sum(tl.where(k == j, c, 0.0), axis=0), best_c)
-        best_e = tl.where(better, e, best_e)
+    # The tile computes all six (cheap on a GPU); the choice reads the four a CPU kernel evaluates.
+    best_c = tl.sum(tl.where(k[None, :] == mse_pick(err, k)[:, None], c[None, :], 0.0), axis=1)
     return mul(base, best_c, NO_FMA)
+
+
+@triton.jit
+def mse_pick(err, k):
+    """``quantize.mse_choice`` of ``[ROWS, 8]`` candidate errors (columns 0-5 in the order
+    of the ratios; ``k = arange(8)``): 0.8 vs 0.7 (ties go up), then up while at least as
+    good, down only while strictly better; NaN compares false. int32 ``[ROWS]``."""
+    e0, e1, e2, e3 = column(err, k, 0), column(err, k, 1), column(err, k, 2), column(err, k, 3)
+    e4, e5 = column(err, k, 4), column(err, k, 5)
+    up = tl.where(e1 <= e2, tl.where(e0 <= e1, 0, 1), 2)
+    down = tl.where(e4 < e3, tl.where(e5 < e4, 5, 4), 3)
+    return tl.where(e2 <= e3, up, down)
 
 
 @triton.jit
