@@ -53,22 +53,27 @@ def _worker(rank, port, intra_bits, average, async_op, queue, collected):
         dist.destroy_process_group()
 
 
-def _run(intra_bits, average, async_op):
+def _spawn(worker, *args, timeout: int = 180) -> list:
+    """Run ``worker(rank, port, *args, queue, collected)`` on WORLD spawned ranks; their
+    queued results (one per rank, in arrival order)."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, intra_bits, average, async_op, queue, collected))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, *args, queue, collected)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
-        results = [queue.get(timeout=180) for _ in range(WORLD)]
+        results = [queue.get(timeout=timeout) for _ in range(WORLD)]
     finally:
         collected.set()
         for p in procs:
             p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
-    return sorted(results)
+    return results
+
+
+def _run(intra_bits, average, async_op):
+    return sorted(_spawn(_worker, intra_bits, average, async_op))
 
 
 @pytest.mark.parametrize("intra_bits,average,async_op", [(8, False, True), (16, True, True), (8, False, False)])
@@ -162,20 +167,7 @@ def test_two_hop_triton_kernels_with_options_match_torch():
     second (the interpreter's tl.fma is a rounded product plus a rounded sum, torch's
     addcmul on CPU one FMA, so the stored errors may differ in the last bit; measured: at
     most 3.6e-7 on values of about 3.6, in 5% of one rank's elements)."""
-    ctx = mp.get_context("spawn")
-    queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_kernels_worker, args=(r, port, queue, collected)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=300) for _ in range(WORLD)]
-    finally:
-        collected.set()
-        for p in procs:
-            p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
-    for rank, out in results:
+    for rank, out in _spawn(_kernels_worker, timeout=300):
         for step, ((a_hop, a_flat), (b_hop, b_flat)) in enumerate(zip(out["torch"], out["triton"])):
             if step == 0:  # the error buffers are still zero: bit for bit
                 assert torch.equal(a_hop.view(torch.int32), b_hop.view(torch.int32)), rank
