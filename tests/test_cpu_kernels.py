@@ -385,3 +385,49 @@ def test_options_bf16_gradient_and_no_error_feedback(ext, ef):
     if ef:
         assert torch.equal(ref.state_dict()["error"], fused.state_dict()["error"])
     torch.testing.assert_close(ref.last_stats, fused.last_stats, rtol=1e-4, atol=0)
+
+
+_KILLED_BUILD = """
+import os, pathlib, signal, sys
+from torch.utils.file_baton import FileBaton
+from loco_megatron.loco import cpu_kernels
+build_dir = pathlib.Path(sys.argv[1])
+with cpu_kernels.build_lock(build_dir):
+    assert FileBaton(str(build_dir / "lock")).try_acquire()  # torch's own lock, as its build takes it
+    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-build: torch's lock file stays behind
+"""
+
+_LOAD = """
+import pathlib, sys
+from torch.utils import cpp_extension
+from loco_megatron.loco import cpu_kernels
+build_dir = pathlib.Path(sys.argv[1])
+with cpu_kernels.build_lock(build_dir):
+    cpp_extension.load(name="tiny", sources=[sys.argv[2]], build_directory=str(build_dir),
+                       is_python_module=False)
+print("loaded")
+"""
+
+
+def test_a_killed_build_does_not_hang_later_starts(tmp_path):
+    """Guards against a first build of the C++ kernels that was killed (Ctrl-C, a job time
+    limit) leaving torch's build lock file behind, so that every later start waits on it
+    forever: a process killed while holding the lock, then a real torch extension build in
+    the same folder completes, printing one line that says it removed the stale lock; a
+    second load, with no stale lock, prints nothing about it."""
+    import subprocess
+    import sys
+
+    build_dir = tmp_path / "ext"
+    src = tmp_path / "tiny.cpp"
+    src.write_text('extern "C" int loco_tiny() { return 1; }\n')
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BUILD, str(build_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert killed.returncode == -9 and (build_dir / "lock").exists(), killed.stderr
+    for stale in (True, False):
+        proc = subprocess.run([sys.executable, "-c", _LOAD, str(build_dir), str(src)], capture_output=True,
+                              text=True, timeout=240)
+        assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
+        removed = [ln for ln in proc.stderr.splitlines() if "build lock left by an interrupted build" in ln]
+        assert len(removed) == (1 if stale else 0), proc.stderr
+        assert not (build_dir / "lock").exists()

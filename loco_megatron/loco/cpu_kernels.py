@@ -14,6 +14,8 @@ scales and decompressed sums; the stored error matches within one int8 step.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import pathlib
@@ -55,13 +57,41 @@ def needs_build() -> bool:
     return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (SOURCE, *HEADERS))
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: pathlib.Path):
+    """Hold an OS file lock (``flock`` on ``build_dir/loco_build.flock``) while torch builds
+    or loads the extension in ``build_dir``, and clear a stale torch build lock first.
+
+    torch's own lock is a plain file (``build_dir/lock``) created by the process that
+    builds and removed when it finishes; a build killed part-way (Ctrl-C, a job time
+    limit, an OOM kill) leaves it behind, and every later start then waits on it forever.
+    Every process of ours that builds or loads takes the flock first, and the kernel drops
+    a flock when its holder dies: so once we hold it, no live build of ours is running,
+    and a ``lock`` file left in the folder is stale. It is removed with one printed line.
+    Processes queue on the flock exactly as they would have on torch's lock (the first
+    builds, the others then only load)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "loco_build.flock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"loco: removed {stale}, a build lock left by an interrupted build of the C++ kernels",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build_with_torch(verbose: bool = False):
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-    return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
-                              extra_cflags=CFLAGS + [f"-DLOCO_HEADERS_{digest}"], extra_ldflags=["-fopenmp"],
-                              verbose=verbose)
+    with build_lock(pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False))):
+        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
+                                  extra_cflags=CFLAGS + [f"-DLOCO_HEADERS_{digest}"], extra_ldflags=["-fopenmp"],
+                                  verbose=verbose)
 
 
 @functools.lru_cache(maxsize=None)
