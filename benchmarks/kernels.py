@@ -151,34 +151,55 @@ OPTION_CASES = {
 def option_ratios(n: int, world: int, repeats: int, kernels: str) -> None:
     """One thread: compress and decompress-and-sum of ``n`` elements with the 2-bit
     default options (and each option alone) on ``kernels``, as a ratio of CPU time to the
-    plain 4-bit scheme on the same kernels (the issue's target: <= 1.2x for the default)."""
+    plain 4-bit scheme on the same kernels (the issue's target: <= 1.2x for the default).
+
+    The cases are interleaved: each of ``repeats`` rounds times every case once, 4-bit
+    first, and a case's ratio is the median over rounds of its time over that round's
+    4-bit time. On a shared machine the speed drifts by tens of percent within seconds;
+    timing all of one case and then all of the next puts that drift into the ratio."""
     from loco_megatron.loco import quantize as qz
 
     torch.set_num_threads(1)
     n -= n % world
     torch.manual_seed(0)
     grad = torch.randn(n)
-    timed = _timer(torch.device("cpu"))
     ws = Workspace()
+    decompress = _decompressor(kernels)
 
-    def time_case(bits: int, opts) -> tuple[float, float]:
+    def case(bits: int, opts):
         layout = ShardLayout(n, world, bits, 256, options=opts)
         padded = layout.padded(grad).reshape(-1)
         comp = LoCoCompressor(layout.compressed_numel, bits=bits, kernels=kernels, options=opts)
         recv = layout.pack(*comp.compress(padded, ws))
         shard = torch.empty(layout.shard)
-        decompress = _decompressor(kernels)
-        return timed(lambda: comp.compress(padded, ws), repeats)[1], timed(
-            lambda: decompress(recv, layout, shard), repeats)[1]
+        return (lambda: comp.compress(padded, ws)), (lambda: decompress(recv, layout, shard))
 
-    base_c, base_d = time_case(4, None)
-    print(f"quantiser options on the {kernels} kernels, {n:,} fp32 elements, W={world}, 1 thread, median CPU "
-          f"time of {repeats}; 4-bit plain: compress {base_c * 1e3:.1f} ms, decompress+sum {base_d * 1e3:.1f} ms "
-          f"(a shared machine makes these noisy)")
-    for name, kw in OPTION_CASES.items():
-        c, d = time_case(2, qz.QuantOptions(**kw))
-        print(f"  {name:<46} compress {c * 1e3:7.1f} ms = {c / base_c:5.2f}x 4-bit   decompress+sum "
-              f"{d * 1e3:7.1f} ms = {d / base_d:5.2f}x 4-bit", flush=True)
+    def cpu_time(fn) -> float:
+        c0 = time.process_time()
+        fn()
+        return time.process_time() - c0
+
+    cases = {"4-bit plain": case(4, None)}
+    cases.update({name: case(2, qz.QuantOptions(**kw)) for name, kw in OPTION_CASES.items()})
+    for fns in cases.values():  # warm-up (first-touch of buffers, caches)
+        for fn in fns:
+            fn()
+    times = {name: ([], []) for name in cases}
+    for _ in range(repeats):
+        for name, fns in cases.items():
+            for fn, out in zip(fns, times[name]):
+                out.append(cpu_time(fn))
+    (base_c, base_d) = times["4-bit plain"]
+    print(f"quantiser options on the {kernels} kernels, {n:,} fp32 elements, W={world}, 1 thread, CPU time, "
+          f"{repeats} interleaved rounds; 4-bit plain: compress {statistics.median(base_c) * 1e3:.1f} ms, "
+          f"decompress+sum {statistics.median(base_d) * 1e3:.1f} ms (medians; ratios: median over rounds of "
+          f"the round's ratio)")
+    for name in OPTION_CASES:
+        c, d = times[name]
+        rc = statistics.median(x / b for x, b in zip(c, base_c))
+        rd = statistics.median(x / b for x, b in zip(d, base_d))
+        print(f"  {name:<46} compress {statistics.median(c) * 1e3:7.1f} ms = {rc:5.2f}x 4-bit   decompress+sum "
+              f"{statistics.median(d) * 1e3:7.1f} ms = {rd:5.2f}x 4-bit", flush=True)
 
 
 def main() -> None:
