@@ -91,7 +91,6 @@ def _install_recorders(wire: Wire) -> tuple:
         return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
     grad_ops = CollectiveOps(all_to_all_single=grad_op(dist.all_to_all_single, lambda o, i: i),
-                             reduce_scatter_tensor=grad_op(dist.reduce_scatter_tensor, lambda o, i: i),
                              all_gather=grad_op(dist.all_gather, lambda o, i: i),
                              all_gather_into_tensor=grad_op(dist.all_gather_into_tensor, lambda o, i: i),
                              all_reduce=dist.all_reduce)  # the TP replica average: not data-parallel bytes

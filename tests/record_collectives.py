@@ -48,7 +48,6 @@ def recording_ops(log: list, rng: random.Random) -> CollectiveOps:
         return op
 
     return CollectiveOps(all_to_all_single=wrap("all_to_all", dist.all_to_all_single),
-                         reduce_scatter_tensor=wrap("reduce_scatter", dist.reduce_scatter_tensor),
                          all_gather=wrap("all_gather", dist.all_gather),
                          all_gather_into_tensor=wrap("all_gather", dist.all_gather_into_tensor))
 

@@ -50,7 +50,6 @@ class CollectiveOps:
     delay them; each has torch's signature and returns torch's work handle)."""
 
     all_to_all_single: Callable = dist.all_to_all_single
-    reduce_scatter_tensor: Callable = dist.reduce_scatter_tensor
     all_gather: Callable = dist.all_gather
     all_gather_into_tensor: Callable = dist.all_gather_into_tensor
     all_reduce: Callable = dist.all_reduce

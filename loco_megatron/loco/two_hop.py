@@ -10,7 +10,8 @@ megatron-core's distributed optimizer reads). The flat reduce-scatter sends
   transposed to ``[R, n, S]`` so that local rank ``b`` owns the contiguous chunk of the
   ``n`` shards ``{a*R + b}``; a compressed reduce-scatter over the ``R`` ranks of the
   node (``--loco-intra-node-bits``, its own LoCo error state; or 16 = bf16
-  uncompressed) leaves rank ``b`` the node's partial sums of those shards;
+  uncompressed: an all-to-all of bf16 rows summed in fp32 in rank order) leaves rank
+  ``b`` the node's partial sums of those shards;
 * **hop 2 (inter-node, slow link)**: a compressed reduce-scatter of that chunk over
   the ``n`` ranks with the same local index (``--loco-bits``, its own error state)
   leaves rank ``(a, b)`` the full sum of shard ``a*R + b``, copied into place.
@@ -207,10 +208,17 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
     launch = clock.mark()
     if layout.intra is None:  # bf16, uncompressed, inside the node: [n, R, S] -> [R, n, S]
         rows = buffer.view(n, R, S) if layout.flat.divides else layout.flat.padded(buffer)[:, :S].view(n, R, S)
-        send = rows.transpose(0, 1).to(torch.bfloat16).contiguous()
-        recv = torch.empty(n * S, dtype=torch.bfloat16, device=buffer.device)
-        work = ops.reduce_scatter_tensor(recv, send.view(-1), group=groups.intra, async_op=async_op)
-        bytes_intra = (R - 1) * recv.numel() * 2
+        # One pass converts and transposes (row b of send goes to local rank b). An
+        # all-to-all and a sum here in fp32, in rank order, instead of a bf16
+        # reduce-scatter: the sum is exact fp32 (a bf16 reduce-scatter rounds every
+        # partial sum to bf16), deterministic, and gloo's reduce-scatter costs several
+        # times the CPU of its all-to-all (profile: docs/benchmarks.md, two-hop). Same
+        # bytes on the wire per rank; the receive buffer holds R rows, not one.
+        send = torch.empty((R, n, S), dtype=torch.bfloat16, device=buffer.device)
+        send.copy_(rows.transpose(0, 1))
+        recv = torch.empty_like(send)
+        work = ops.all_to_all_single(recv.view(-1), send.view(-1), group=groups.intra, async_op=async_op)
+        bytes_intra = (R - 1) * n * S * 2
         hop1_handed = send.numel() * 2
         scale = 1.0 / R if average else 1.0
 
@@ -219,7 +227,12 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
                 work.wait()
             result = ws.get("hop1", (n, P), buffer.device)
             result[:, S:].zero_()
-            torch.mul(recv.view(n, S), scale, out=result[:, :S])
+            out = result[:, :S]
+            out.copy_(recv[0])
+            for r in range(1, R):
+                out.add_(recv[r])  # fp32 += bf16: computed and rounded in fp32
+            if scale != 1.0:
+                out.mul_(scale)
             return result.view(-1), None
     else:
         hop1, sent = compressed_reduce_scatter(buffer, compress_intra, layout.intra, groups.intra,
