@@ -147,40 +147,56 @@ LOCO_INLINE void pack(const float* q, uint8_t* out, int B) {
 // The rest of a block's step, shared by both paths: pack the levels q, the residual
 // r = h - q*s and, with error feedback, e' = e*beta + r*(1 - beta) from the old error in e
 // (overwritten with e'), re-quantised to int8 into err_out. Adds to the metric sums.
+// One sweep computes r, e', the sums and e''s absmax (the int8 scale), a second writes
+// the int8 codes: the reference's operations, per element in the same order.
 template <bool HAS_ERR, int BITS, int FB = 0>
 LOCO_INLINE void finish_block(const CompressArgs& a, int64_t b, const float* h, float* q, float s, float* r,
                               float* e, double& e2, double& r2, double& h2) {
+  (void)r;
   const int B = FB ? FB : static_cast<int>(a.B);
   pack<BITS>(q, a.codes + b * (a.B * BITS / 8), B);
   float rs = 0.0f, hs = 0.0f;
+  if constexpr (!HAS_ERR) {
 #pragma omp simd reduction(+ : rs, hs)
-  for (int i = 0; i < B; ++i) {
-    r[i] = std::fma(-q[i], s, h[i]);  // h - q*s, one rounding (torch.addcmul)
-    rs += r[i] * r[i];
-    hs += h[i] * h[i];
-  }
-  r2 += rs;
-  h2 += hs;
-  if constexpr (HAS_ERR) {
-    // The reference's mul_(beta) and add_(resid, alpha=1 - beta), whose kernel fuses the
-    // last multiply-add (one rounding).
-    float es = 0.0f;
-#pragma omp simd reduction(+ : es)
     for (int i = 0; i < B; ++i) {
-      const float ne = std::fma(r[i], a.omb, e[i] * a.beta);
+      const float ri = std::fma(-q[i], s, h[i]);  // h - q*s, one rounding (torch.addcmul)
+      rs += ri * ri;
+      hs += h[i] * h[i];
+    }
+  } else {
+    // The reference's mul_(beta) and add_(resid, alpha=1 - beta), whose kernel fuses the
+    // last multiply-add (one rounding); then amax(|e'|) (NaN-propagating, as torch.amax).
+    float es = 0.0f, m = 0.0f;
+    int any_nan = 0;
+#pragma omp simd reduction(+ : rs, hs, es) reduction(max : m) reduction(| : any_nan)
+    for (int i = 0; i < B; ++i) {
+      const float ri = std::fma(-q[i], s, h[i]);
+      rs += ri * ri;
+      hs += h[i] * h[i];
+      const float ne = std::fma(ri, a.omb, e[i] * a.beta);
       e[i] = ne;
       es += ne * ne;
+      const float v = std::fabs(ne);
+      m = v > m ? v : m;
+      any_nan |= (v != v);
     }
     e2 += es;
     if (a.err_out != nullptr) {
-      const float s8 = block_scale(e, B, 127.0f);
-      round_codes(e, s8, 127.0f, q, B);
+      const float s8 = any_nan ? std::numeric_limits<float>::quiet_NaN() : m / 127.0f;
+      const float d = s8 > 0.0f ? s8 : std::numeric_limits<float>::infinity();  // as round_codes
       int8_t* dst = a.err_out + b * a.B;
 #pragma omp simd
-      for (int i = 0; i < B; ++i) dst[i] = static_cast<int8_t>(q[i]);
+      for (int i = 0; i < B; ++i) {
+        float v = (e[i] / d + kMagic) - kMagic;
+        v = v < -127.0f ? -127.0f : v;
+        v = v > 127.0f ? 127.0f : v;
+        dst[i] = static_cast<int8_t>(v != v ? 0.0f : v);
+      }
       a.err_s_out[b] = s8;
     }
   }
+  r2 += rs;
+  h2 += hs;
 }
 
 // Pass 1 of the two-pass scheme: block scales only.
@@ -225,12 +241,39 @@ LOCO_INLINE void compress_range(const CompressArgs& a, int64_t b0, int64_t b1, d
 
 // ------------------------------------------------ quantiser options (quant_options.h)
 // h of block b in the options' domain: gb = R(g) with the rotation (the reference rotates
-// the zero-padded g, then adds the stored, rotated error), h = e*s + gb.
+// the zero-padded g, then adds the stored, rotated error), h = e*s + gb. With the rotation
+// and error feedback the same sweep then overwrites gb with the block's old error as the
+// reference re-reads it (e*s + 0: the product, -0.0 made +0.0; h - R(g) would round
+// differently) and returns true; otherwise gb stays R(g) or g.
 template <typename T, bool HAS_ERR, int FB>
-LOCO_INLINE void load_h_opts(const CompressArgs& a, int64_t b, float* gb, float* h) {
-  load_g<T, FB>(a, b, gb);
-  if (a.opt.signs != nullptr) loco_opts::rotate(gb, a.opt, FB ? FB : static_cast<int>(a.B));
-  add_err<HAS_ERR, FB>(a, b, gb, h);
+LOCO_INLINE bool load_h_opts(const CompressArgs& a, int64_t b, float* gb, float* h) {
+  const int B = FB ? FB : static_cast<int>(a.B);
+  if (a.opt.signs == nullptr) {
+    load_g<T, FB>(a, b, gb);
+    add_err<HAS_ERR, FB>(a, b, gb, h);
+    return false;
+  }
+  const int64_t bpr = a.P / a.B;
+  const int64_t row = b / bpr, col0 = (b % bpr) * a.B;
+  if (col0 + B <= a.S && row * a.S + col0 + B <= a.total) {  // a whole block: read g in the first sweep
+    loco_opts::rotate_load(static_cast<const T*>(a.g) + row * a.S + col0, a.opt, gb, B);
+  } else {  // zero-padded
+    load_g<T, FB>(a, b, gb);
+    loco_opts::rotate(gb, a.opt, B);
+  }
+  if constexpr (HAS_ERR) {
+    const int8_t* e = a.err + b * a.B;
+    const float es = a.err_s[b];
+#pragma omp simd
+    for (int i = 0; i < B; ++i) {
+      const float p = static_cast<float>(e[i]) * es;
+      h[i] = p + gb[i];
+      gb[i] = p + 0.0f;
+    }
+  } else {
+    add_err<false, FB>(a, b, gb, h);
+  }
+  return HAS_ERR;
 }
 
 template <typename T, bool HAS_ERR, int BITS, int FB>
@@ -259,7 +302,7 @@ LOCO_INLINE void compress_range_opts(const CompressArgs& a, int64_t b0, int64_t 
   const float hi = static_cast<float>((1 << (BITS - 1)) - 1);
   double e2 = 0.0, r2 = 0.0, h2 = 0.0;
   for (int64_t b = b0; b < b1; ++b) {
-    load_h_opts<T, HAS_ERR, FB>(a, b, gb, h);
+    const bool old_ready = load_h_opts<T, HAS_ERR, FB>(a, b, gb, h);
     float s;
     if (scales_known) s = a.scales[b];
     else {
@@ -269,14 +312,9 @@ LOCO_INLINE void compress_range_opts(const CompressArgs& a, int64_t b0, int64_t 
     if (a.opt.stochastic) loco_opts::stochastic_levels(h, s, lo, hi, a.opt.key, b * a.B, q, B);
     else loco_opts::nearest_levels(h, s, lo, hi, q, B);
     if constexpr (HAS_ERR) {
-      // The old error e: h - g without rotation, as compress_range; with it the reference
-      // re-reads e (e*s + 0; h - R(g) would round differently).
-      if (a.opt.signs != nullptr) {
-        const int8_t* e = a.err + b * a.B;
-        const float es = a.err_s[b];
-#pragma omp simd
-        for (int i = 0; i < B; ++i) gb[i] = static_cast<float>(e[i]) * es + 0.0f;
-      } else {
+      // The old error e: h - g without rotation, as compress_range (with it, load_h_opts
+      // has put it in gb).
+      if (!old_ready) {
 #pragma omp simd
         for (int i = 0; i < B; ++i) gb[i] = h[i] - gb[i];
       }

@@ -53,30 +53,22 @@ LOCO_OPT_INLINE void st8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 // as the reference's a + b and a - b (v * -1 is exact; x + (-y) is x - y in IEEE).
 LOCO_OPT_INLINE v8f butterfly8(v8f v, v8i partner, v8f sign) { return __builtin_shuffle(v, partner) + v * sign; }
 
-// The finishing multiplies of a transform: x * scale, then * signs[i] when signs is set.
-struct Post {
-  float scale;
-  const float* signs;
-};
-
-LOCO_OPT_INLINE v8f post8(v8f v, const Post& p, int i) {
-  v = v * p.scale;
-  return p.signs != nullptr ? v * ld8(p.signs + i) : v;
-}
-
-// Unnormalised fast Walsh-Hadamard transform of one block in place: rotation._wht's
-// butterfly passes h = 1, 2, 4, ... in that order (each output is the same expression),
-// with the multiply by `pre` (signs, or null) before it and `post` after it fused into the
-// first and the last sweep. Passes 1, 2, 4 run in registers per group of 8; the rest two
-// at a time (h and 2h over 4 vectors), so the block is swept about log4(B) times.
-LOCO_OPT_INLINE void fwht(float* x, int B, const float* pre, const Post& post) {
+// Unnormalised fast Walsh-Hadamard transform of one block: rotation._wht's butterfly
+// passes h = 1, 2, 4, ... in that order (each output is the same expression). The first
+// sweep takes its input from load(j) (8 values at j, any multiply before the transform
+// already applied) and the last sweep hands its output to store(k, v) (8 values at k,
+// before any multiply after it), so that a caller can fuse its own load, scaling and
+// next step into them; the sweeps between work in place in x. Passes 1, 2, 4 run in
+// registers per group of 8; the rest two at a time (h and 2h over 4 vectors), so the
+// block is swept about log4(B) times.
+template <typename Load, typename Store>
+LOCO_OPT_INLINE void fwht_io(float* x, int B, Load load, Store store) {
   const v8i p1 = {1, 0, 3, 2, 5, 4, 7, 6}, p2 = {2, 3, 0, 1, 6, 7, 4, 5}, p4 = {4, 5, 6, 7, 0, 1, 2, 3};
   const v8f s1 = {1, -1, 1, -1, 1, -1, 1, -1}, s2 = {1, 1, -1, -1, 1, 1, -1, -1}, s4 = {1, 1, 1, 1, -1, -1, -1, -1};
   for (int j = 0; j < B; j += 8) {
-    v8f v = ld8(x + j);
-    if (pre != nullptr) v = v * ld8(pre + j);
-    v = butterfly8(butterfly8(butterfly8(v, p1, s1), p2, s2), p4, s4);
-    st8(x + j, B == 8 ? post8(v, post, j) : v);
+    const v8f v = butterfly8(butterfly8(butterfly8(load(j), p1, s1), p2, s2), p4, s4);
+    if (B == 8) store(j, v);
+    else st8(x + j, v);
   }
   int h = 8;
   for (; 4 * h <= B; h *= 4) {
@@ -85,28 +77,54 @@ LOCO_OPT_INLINE void fwht(float* x, int B, const float* pre, const Post& post) {
       for (int k = j; k < j + h; k += 8) {
         const v8f a = ld8(x + k), b = ld8(x + k + h), c = ld8(x + k + 2 * h), d = ld8(x + k + 3 * h);
         const v8f ab = a + b, amb = a - b, cd = c + d, cmd = c - d;  // pass h
-        v8f r0 = ab + cd, r1 = amb + cmd, r2 = ab - cd, r3 = amb - cmd;  // pass 2h
-        if (last) {
-          r0 = post8(r0, post, k), r1 = post8(r1, post, k + h);
-          r2 = post8(r2, post, k + 2 * h), r3 = post8(r3, post, k + 3 * h);
-        }
-        st8(x + k, r0), st8(x + k + h, r1), st8(x + k + 2 * h, r2), st8(x + k + 3 * h, r3);
+        const v8f r0 = ab + cd, r1 = amb + cmd, r2 = ab - cd, r3 = amb - cmd;  // pass 2h
+        if (last) store(k, r0), store(k + h, r1), store(k + 2 * h, r2), store(k + 3 * h, r3);
+        else st8(x + k, r0), st8(x + k + h, r1), st8(x + k + 2 * h, r2), st8(x + k + 3 * h, r3);
       }
   }
   if (2 * h == B)  // one pass left, the last
     for (int k = 0; k < h; k += 8) {
       const v8f u = ld8(x + k), w = ld8(x + k + h);
-      st8(x + k, post8(u + w, post, k));
-      st8(x + k + h, post8(u - w, post, k + h));
+      store(k, u + w);
+      store(k + h, u - w);
     }
 }
 
-// rotation.rotate: H (d * x) * fp32(B^-0.5).
-LOCO_OPT_INLINE void rotate(float* x, const Options& o, int B) { fwht(x, B, o.signs, Post{o.rot_scale, nullptr}); }
+// rotation.rotate in place: H (d * x) * fp32(B^-0.5).
+LOCO_OPT_INLINE void rotate(float* x, const Options& o, int B) {
+  const float* d = o.signs;
+  const float scale = o.rot_scale;
+  fwht_io(x, B, [x, d](int j) { return ld8(x + j) * ld8(d + j); },
+          [x, scale](int k, v8f v) { st8(x + k, v * scale); });
+}
 
-// rotation.unrotate: (H y) * fp32(B^-0.5) * d.
+// rotation.unrotate in place: (H y) * fp32(B^-0.5) * d.
 LOCO_OPT_INLINE void unrotate(float* x, const float* signs, float rot_scale, int B) {
-  fwht(x, B, nullptr, Post{rot_scale, signs});
+  fwht_io(x, B, [x](int j) { return ld8(x + j); },
+          [x, signs, rot_scale](int k, v8f v) { st8(x + k, (v * rot_scale) * ld8(signs + k)); });
+}
+
+// Eight fp32 or bf16 values as floats (bf16: its bits are the float's upper half; exact).
+template <typename T>
+LOCO_OPT_INLINE v8f ld8_any(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return ld8(reinterpret_cast<const float*>(p));
+  } else {
+    typedef uint16_t v8s __attribute__((vector_size(16)));
+    v8s u;
+    std::memcpy(&u, p, sizeof u);
+    return reinterpret_cast<v8f>(__builtin_convertvector(u, v8i) << 16);
+  }
+}
+
+// x = R(g) of a whole block read straight from the gradient src ([B] fp32 or bf16, every
+// element in range): load_g and rotate in the transform's sweeps (one pass fewer).
+template <typename T>
+LOCO_OPT_INLINE void rotate_load(const T* src, const Options& o, float* x, int B) {
+  const float* d = o.signs;
+  const float scale = o.rot_scale;
+  fwht_io(x, B, [src, d](int j) { return ld8_any(src + j) * ld8(d + j); },
+          [x, scale](int k, v8f v) { st8(x + k, v * scale); });
 }
 
 // quantize.tree_sum_: halve the length L by adding x[m + i] into x[i] (m = ceil(L/2))
