@@ -259,3 +259,15 @@ def param_cast(x, DTYPE: tl.constexpr):
         return x.to(tl.float16)
     else:
         return x
+
+
+@triton.jit
+def dequant(ptr, byte_offs, mask, s, BITS: tl.constexpr, K: tl.constexpr, NO_FMA: tl.constexpr):
+    """``float(q) * s`` (fp32 ``[ROWS, K, BK]``) of the packed codes at ``ptr + byte_offs``
+    (``[ROWS, BK]`` bytes, planar: byte j holds plane i's code j in bits [i*BITS, ...),
+    offset binary; masked bytes read 0) and the scales ``s`` ``[ROWS]``. The product
+    feeds an add in every caller: an explicit ``mul.rn`` (:func:`mul`)."""
+    packed = tl.load(ptr + byte_offs, mask=mask, other=0).to(tl.int32)
+    shift = (tl.arange(0, K) * BITS)[None, :, None]
+    q = ((packed[:, None, :] >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+    return mul(q.to(tl.float32), s[:, None, None], NO_FMA)

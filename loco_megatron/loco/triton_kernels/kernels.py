@@ -99,27 +99,19 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, signs_ptr, shard, sh
                            NO_FMA: tl.constexpr):
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
-    MASK: tl.constexpr = (1 << BITS) - 1
     rows, offs = J.tile(tl.program_id(0), ROWS, K, BK)
     row_ok = rows < shard_blocks
-    plane = tl.arange(0, K)
     col = tl.arange(0, BK)
     byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
     byte_ok = row_ok[:, None] & (col[None, :] >= 0)
     row_bytes64 = row_bytes.to(tl.int64)
-    shift = (plane * BITS)[None, :, None]
     # acc = part_0, then += part_r in rank order: the reference's fp32 additions (starting
     # from zeros instead would turn a -0.0 part, q = 0 under a negative uniform scale, into +0.0).
-    packed = tl.load(recv_ptr + byte_offs, mask=byte_ok, other=0).to(tl.int32)
-    q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
     s = tl.load(recv_f32_ptr + code_bytes // 4 + rows, mask=row_ok, other=0.0)
-    acc = J.mul(q.to(tl.float32), s[:, None, None], NO_FMA)
+    acc = J.dequant(recv_ptr, byte_offs, byte_ok, s, BITS, K, NO_FMA)
     for r in range(1, WORLD):
-        packed = tl.load(recv_ptr + r * row_bytes64 + byte_offs, mask=byte_ok, other=0).to(tl.int32)
-        q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
         s = tl.load(recv_f32_ptr + (r * row_bytes64 + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
-        acc += J.mul(q.to(tl.float32), s[:, None, None], NO_FMA)
+        acc += J.dequant(recv_ptr + r * row_bytes64, byte_offs, byte_ok, s, BITS, K, NO_FMA)
     if ROTATE:  # the rows were rotated: unrotate the sum once (linear), before the scaling
         d = tl.load(signs_ptr + tl.arange(0, B))
         acc = tl.reshape(J.rotate(tl.reshape(acc, (ROWS, B)), d, rot_scale, ROWS, B, LOG_B, True, NO_FMA),
@@ -147,8 +139,6 @@ def _param_apply_kernel(codes_ptr, scales_ptr, src_ptr, dst_ptr, new_ptr, dst2_p
     ``new`` may be ``dst`` and ``dst2`` may be ``src``."""
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
-    MASK: tl.constexpr = (1 << BITS) - 1
     rows, offs = J.tile(tl.program_id(0), ROWS, K, BK)
     row_ok = rows < num_blocks
     in_shard = offs < numel
@@ -160,12 +150,9 @@ def _param_apply_kernel(codes_ptr, scales_ptr, src_ptr, dst_ptr, new_ptr, dst2_p
         need = row_ok
     else:  # a zero scale is a delta of signed zeros: only a -0.0 source can change
         need = row_ok & ((s != 0) | (tl.sum(tl.sum(neg_zero.to(tl.int32), axis=2), axis=1) > 0))
-    plane = tl.arange(0, K)
     col = tl.arange(0, BK)
     byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
-    packed = tl.load(codes_ptr + byte_offs, mask=need[:, None] & (col[None, :] >= 0), other=0).to(tl.int32)
-    q = ((packed[:, None, :] >> (plane * BITS)[None, :, None]) & MASK) - OFFSET
-    delta = J.mul(q.to(tl.float32), s[:, None, None], NO_FMA)
+    delta = J.dequant(codes_ptr, byte_offs, need[:, None] & (col[None, :] >= 0), s, BITS, K, NO_FMA)
     if ROTATE:  # the encode rotated the difference: the delta is unrotated per block
         d = tl.load(signs_ptr + tl.arange(0, B))
         delta = tl.reshape(J.rotate(tl.reshape(delta, (ROWS, B)), d, rot_scale, ROWS, B, LOG_B, True, NO_FMA),
