@@ -30,8 +30,9 @@ the fp32 scales' bytes.
 
 Memory: encode and decode work through each shard in chunks of whole blocks
 (:data:`DECODE_CHUNK` elements), so their temporaries are at most
-``CHUNK_TEMP_BYTES_PER_ELEMENT * DECODE_CHUNK`` bytes (12 MiB) whatever the bucket size;
-:meth:`DeltaLayout.transient_bytes` adds the wire rows.
+``CHUNK_TEMP_BYTES_PER_ELEMENT * DECODE_CHUNK`` bytes (12 MiB) whatever the bucket size
+(the fused apply, :func:`apply_row`, needs none: one block per thread on the stack, or
+in a Triton tile); :meth:`DeltaLayout.transient_bytes` adds the wire rows.
 """
 
 from __future__ import annotations
