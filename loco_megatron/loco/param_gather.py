@@ -67,8 +67,9 @@ class ParamGatherWork:
 def apply_gathered(recv: torch.Tensor, layout: DeltaLayout, buffer: torch.Tensor, shard: AgreedShard, rank: int,
                    fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the gathered rows (uint8 ``[W, row_bytes]``) to ``buffer`` (``[W*S]``): every
-    shard ``j`` gets ``agreed_j += D(Q(d_j))``, the own one through
-    :meth:`AgreedShard.finish_slice` (then the caller calls :meth:`AgreedShard.finished`).
+    shard ``j`` gets ``agreed_j += D(Q(d_j))``, the own one with
+    :meth:`AgreedShard.finish_slice`'s moves (fused: :meth:`AgreedShard.apply_slots`; then
+    the caller calls :meth:`AgreedShard.finished`).
     Returns the float64 ``[2]`` ``(||agreed_own - new_own||^2, ||new_own||^2)`` and the
     bool ``[W]`` mask of the finite rows (a row that is not finite has zeroed scales: its
     delta is zero). ``fused`` (default: on the ``cpu`` and ``triton`` kernels): the fused
