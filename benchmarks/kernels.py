@@ -22,6 +22,7 @@ what the targets are stated in. Median of ``--repeats`` runs after one warm-up.
     python benchmarks/kernels.py --smoke
     python benchmarks/kernels.py --mechanisms --sizes 16M   # torch vs torch.compile vs C++, 1 thread
     python benchmarks/kernels.py --options --sizes 16M      # 2-bit default / each option vs 4-bit, 1 thread
+    python benchmarks/kernels.py --param-gather             # one parameter gather's apply: torch, old C++, fused
 """
 
 from __future__ import annotations
@@ -202,9 +203,77 @@ def option_ratios(n: int, world: int, repeats: int, kernels: str) -> None:
               f"{statistics.median(d) * 1e3:7.1f} ms = {rd:5.2f}x 4-bit", flush=True)
 
 
+def _cpu_rounds(cases: dict, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds of every zero-argument callable in ``cases``, ``repeats`` interleaved
+    rounds (each round times every case once, after one warm-up call each): a shared
+    machine's speed drifts within seconds, and timing all of one case before the next
+    would put that drift into their ratio."""
+    for fn in cases.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            c0 = time.process_time()
+            fn()
+            times[name].append(time.process_time() - c0)
+    return times
+
+
+def param_gather_apply(n: int, bits: int, repeats: int, worlds=(2, 8)) -> None:
+    """One thread: the apply of one compressed parameter gather (``ParamGatherWork.wait``:
+    every gathered row decoded and added to its shard, the own shard's metric norms and
+    spare copy) of an ``n``-element bucket, fp32 and bf16 parameters, over each ``W`` in
+    ``worlds``, by the torch reference (decode a chunk, add_), the old C++ path (the C++
+    decode of a chunk into an fp32 delta, then add_) and the fused C++ decode-and-apply;
+    and the fused apply of a gather in which no shard moved (every scale zero: each block
+    costs a read of its scale and of its parameters). CPU time, :func:`_cpu_rounds`."""
+    from loco_megatron.loco import cpu_kernels
+    from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout, encode_delta
+    from loco_megatron.loco.param_gather import apply_gathered
+
+    if cpu_kernels.extension() is None:
+        sys.exit("error: --param-gather times the C++ kernels, which could not be built (see the line above)")
+    torch.set_num_threads(1)
+    opts = qz.QuantOptions(**LoCoConfig(loco_bits=bits, param_gather_bits=bits).param_gather_options())
+    named = "/".join((opts.quantizer, opts.scale, opts.rotation, opts.rounding))
+    print(f"parameter-gather apply of one gather, {n:,}-element bucket, {bits}-bit ({named}), 1 thread, CPU time, "
+          f"{repeats} interleaved rounds (medians; x: median over rounds of the round's ratio)")
+    print(f"  {'params':<6} {'W':>2} {'torch ref':>10}   {'old C++ (decode, add_)':<22}   {'fused':<34}   "
+          f"fused, no shard moved")
+    for dtype, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for world in worlds:
+            m = n - n % world
+            g = torch.Generator().manual_seed(world)
+            buffer = torch.randn(m, generator=g).to(dtype)
+            fast = DeltaLayout(m, world, bits, 256, kernels="cpu", options=opts)
+            ref = DeltaLayout(m, world, bits, 256, options=opts)
+            rows = buffer.view(world, fast.shard)
+            shard = AgreedShard(rows[0], main_aliased=dtype == torch.float32)
+            shard.begin_step()
+            new = (rows[0].float() + 1e-3 * torch.randn(fast.shard, generator=g)).to(dtype)
+            rows[0].copy_(new)
+            recv = torch.stack([encode_delta(new if j == 0 else rows[j] + 1e-3, shard.agreed() if j == 0 else rows[j],
+                                             fast) for j in range(world)])
+            still = torch.stack([encode_delta(rows[j], rows[j], fast) for j in range(world)])
+            times = _cpu_rounds({
+                "torch": lambda: apply_gathered(recv, ref, buffer, shard, 0),
+                "old": lambda: apply_gathered(recv, fast, buffer, shard, 0, fused=False),
+                "fused": lambda: apply_gathered(recv, fast, buffer, shard, 0),
+                "still": lambda: apply_gathered(still, fast, buffer, shard, 0)}, repeats)
+
+            def cell(name: str, base: str = "torch") -> str:
+                ms = statistics.median(times[name]) * 1e3
+                return f"{ms:7.1f} ms = {statistics.median(a / b for a, b in zip(times[name], times[base])):5.3f}x"
+            fused_vs_old = statistics.median(a / b for a, b in zip(times["fused"], times["old"]))
+            print(f"  {dname:<6} {world:>2} {statistics.median(times['torch']) * 1e3:7.1f} ms   "
+                  f"{cell('old') + ' torch':<22}   {cell('fused') + f' torch = {fused_vs_old:5.3f}x old':<34}   "
+                  f"{cell('still', 'fused')} fused", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1M,4M,16M,64M,100M", help="bucket sizes in elements")
+    ap.add_argument("--sizes", default=None,
+                    help="bucket sizes in elements (default 1M,4M,16M,64M,100M; --param-gather: 17M)")
     ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     ap.add_argument("--world", type=int, default=8, help="ranks a bucket is reduce-scattered over")
     ap.add_argument("--repeats", type=int, default=5)
@@ -220,13 +289,19 @@ def main() -> None:
     ap.add_argument("--options", action="store_true",
                     help="instead: the 2-bit default quantiser options (and each alone) vs the plain 4-bit scheme "
                          "on the selected kernels, first size, one thread")
+    ap.add_argument("--param-gather", action="store_true",
+                    help="instead: the apply of one compressed parameter gather (--param-gather-bits --bits), fp32 "
+                         "and bf16, W=2 and 8, first size, one thread: torch vs the old C++ path vs the fused kernel")
     ap.add_argument("--smoke", action="store_true", help="two tiny sizes, one repeat")
     args = ap.parse_args()
+    args.sizes = args.sizes or ("17M" if args.param_gather else "1M,4M,16M,64M,100M")
     if args.smoke:
         args.sizes, args.repeats = "64K,256K", 1
     sizes = [_size(s) for s in args.sizes.split(",") if s]
     if args.mechanisms:
         return mechanisms(sizes[0], args.bits, args.repeats)
+    if args.param_gather:
+        return param_gather_apply(sizes[0], args.bits, args.repeats)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = LoCoConfig(loco_bits=args.bits)  # the options a run of --loco-bits N uses by default (2 bits: not plain)
     opts = qz.QuantOptions(cfg.loco_quantizer, cfg.loco_scale, cfg.loco_rotation, cfg.loco_rounding)

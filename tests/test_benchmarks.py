@@ -59,6 +59,21 @@ def test_kernels_option_ratios_smoke():
     assert len(cases) == 6 and "2-bit default (uniform/mse/hadamard/nearest)" in cases[0]
 
 
+def test_kernels_param_gather_smoke():
+    """Guards against the parameter-gather benchmark (one gather's apply: torch reference,
+    old C++ decode then add_, fused decode-and-apply, and a gather where no shard moved)
+    breaking or losing a case: one row per parameter dtype and world size, each with its
+    four ratios; never asserts timings."""
+    out = _run(["benchmarks/kernels.py", "--param-gather", "--smoke"]).stdout.splitlines()
+    assert out[0].startswith("parameter-gather apply of one gather, 65,536-element bucket, 4-bit")
+    rows = [line.split() for line in out[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("fp32", "2"), ("fp32", "8"), ("bf16", "2"), ("bf16", "8")]
+    for r in rows:
+        ratios = [float(t[:-1]) for t in r if t.endswith("x")]
+        assert len(ratios) == 4 and all(x > 0 for x in ratios), r
+        assert [r[i + 1] for i, t in enumerate(r) if t.endswith("x")] == ["torch", "torch", "old", "fused"], r
+
+
 def test_kernels_mechanisms_and_speed_dtype(monkeypatch, capsys):
     """Guards against the mechanism comparison behind the README's choice of the C++
     kernels breaking (four mechanisms timed; torch.compile replaced by eager here, its

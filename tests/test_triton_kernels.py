@@ -133,7 +133,8 @@ def test_decompress_sum_matches_reference(tk, bits, out_dtype):
 def test_kernel_selection():
     """Guards against silently running the slow interpreter, or failing with a traceback,
     when --loco-kernels asks for something this machine cannot do, and against auto on
-    CUDA leaving the quantiser options (the 2-bit default) to the slower torch path."""
+    CUDA leaving the quantiser options (the 2-bit default) or the parameter gather to the
+    slower torch path."""
     assert resolve_kernels("auto", "cpu", False, 4, 256, 8, True) == "cpu"  # the C++ kernels on CPU
     assert resolve_kernels("auto", "cpu", True, 4, 256, 8, True) == "cpu"  # never auto-interpret
     assert resolve_kernels("torch", "cuda", False, 4, 256, 8, True) == "torch"
@@ -143,13 +144,18 @@ def test_kernel_selection():
         resolve_kernels("triton", "cpu", False, 4, 256, 8, True)
     with pytest.raises(ValueError, match="power-of-two"):
         resolve_kernels("triton", "cuda", False, 4, 192, 8, True)
+    # 8-bit gradients fit 16-element blocks, 2-bit parameters on the same kernels do not
+    assert resolve_kernels("triton", "cuda", False, 8, 16, 8, True) == "triton"
+    with pytest.raises(ValueError, match="power-of-two --loco-block-size, got 16"):
+        resolve_kernels("triton", "cuda", False, 8, 16, 8, True, param_gather_bits=2)
     with pytest.raises(ValueError, match="int8 error buffer"):
         resolve_kernels("triton", "cuda", False, 4, 256, 32, True)
     # auto on CUDA with the 2-bit default options: the Triton kernels implement them
     two_bit = ["--loco-quantizer uniform", "--loco-scale mse", "--loco-rotation hadamard"]
     assert choose_kernels("auto", "cuda", False, 2, 256, 8, True, options=two_bit) == ("triton", None)
     assert choose_kernels("auto", "cuda", False, 4, 256, 8, True) == ("triton", None)
-    assert kernels_line("triton", True, 2, None) == "kernels: grads triton, params torch"
+    # the parameter gather runs on the Triton kernels too (encode and decode-and-apply)
+    assert kernels_line("triton", True, 2, None) == "kernels: grads triton, params triton"
     # a shape they cannot serve still falls back on auto, saying why
     kernels, why = choose_kernels("auto", "cuda", False, 2, 192, 8, True, options=two_bit)
     assert (kernels, why) == ("torch", "--loco-kernels triton needs a power-of-two --loco-block-size, got 192")

@@ -202,12 +202,15 @@ def test_kernels_compile_for_sm90():
     reference rounds being fused into FMAs: one subprocess without TRITON_INTERPRET
     compiles compress and decompress for sm_90 (the original 4-bit scheme, the 2-bit
     default with error feedback, + stochastic rounding, bf16-out decompress with the
-    rotation); each gives a cubin, and its PTX holds the explicit mul.rn."""
+    rotation) and the parameter gather's decode-and-apply (4-bit fp32 in place, 2-bit
+    Hadamard bf16 own shard); each gives a cubin, and its PTX holds the explicit mul.rn
+    (without it the delta q*s would be contracted into the add of the parameter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-m", "loco_megatron.loco.triton_kernels.ahead"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 5 and all(": ok ptx" in ln and ln.endswith("mul.rn True") for ln in lines), out.stdout
+    assert len(lines) == 7 and all(": ok ptx" in ln and ln.endswith("mul.rn True") for ln in lines), out.stdout
+    assert sum(ln.startswith("param apply") for ln in lines) == 2, out.stdout
     assert all(int(ln.split(" cubin ")[1].split()[0]) > 0 for ln in lines)

@@ -42,7 +42,8 @@ class LoCoConfig:
     loco_ranks_per_node: Optional[int] = None
     """Ranks per node for two-hop LoCo (default: torchrun's LOCAL_WORLD_SIZE)."""
     loco_kernels: str = choice("auto", ("auto", "torch", "triton", "cpu"))
-    """Compress/decompress implementation: auto (fused Triton kernels on CUDA when triton is
+    """Compress/decompress implementation (also of the --param-gather-bits encode and
+    apply): auto (fused Triton kernels on CUDA when triton is
     installed and the shape and quantiser options are supported; the fused C++ kernels,
     which implement every quantiser option, on CPU when they build; else torch, and the
     start-up line says why), torch (the reference), triton, or cpu (falls back to torch,

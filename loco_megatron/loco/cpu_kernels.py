@@ -1,4 +1,5 @@
-"""Fused CPU kernels for LoCo's compress and decompress-and-sum (C++, ``csrc/loco_cpu.cpp``).
+"""Fused CPU kernels for LoCo's compress and decompress-and-sum, and the parameter gather's
+decode-and-apply (C++, ``csrc/loco_cpu.cpp`` and its headers).
 
 Built at first use with ``torch.utils.cpp_extension.load`` (ninja + the system C++
 compiler) and cached in torch's extensions folder (``$TORCH_EXTENSIONS_DIR``, default
@@ -28,7 +29,7 @@ from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "loco_cpu.cpp"
-HEADERS = (SOURCE.parent / "quant_options.h",)
+HEADERS = (SOURCE.parent / "quant_options.h", SOURCE.parent / "param_apply.h")
 """Included by :data:`SOURCE`; torch's build cache hashes only the sources and the flags,
 so their hash goes into a ``-D`` flag (an edited header rebuilds the extension)."""
 MAX_BLOCK = 8192
@@ -179,3 +180,27 @@ def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float =
     extension().decompress_sum(recv, layout.code_bytes, out.numel(), layout.bits, layout.block_size, out,
                                float(scale), isa, torch.empty(0) if signs is None else signs,
                                _rot_scale(layout.block_size))
+
+
+def param_apply(codes: torch.Tensor, scales: torch.Tensor, layout, src: torch.Tensor, dst: torch.Tensor,
+                new: Optional[torch.Tensor] = None, dst2: Optional[torch.Tensor] = None, swap: bool = False,
+                blocks: Optional[tuple[int, int]] = None, isa: int = -1) -> tuple[float, float]:
+    """Blocks ``blocks = (b0, b1)`` (default: all) of one gathered row applied to its shard:
+    ``dst = cast(float(src) + D(codes, scales))``, bit-identical to
+    :func:`.param_delta.add_delta` of :func:`.param_delta.decode_chunk` (``csrc/param_apply.h``).
+
+    ``codes``: the row (uint8, its codes first; the scale bytes after them are not read);
+    ``scales``: that row's fp32 ``[blocks]`` from :func:`.param_delta.row_scales` (zero
+    for a row that is not finite); ``layout``: a :class:`.param_delta.DeltaLayout` (bits,
+    block, options: the rotation is undone); ``src``/``dst``: the shard ``[S]`` (fp32,
+    bf16 or fp16; the same tensor for another rank's shard, updated in place). The own
+    shard passes ``new`` (the optimizer's values, ``[S]``, may be ``dst``) and ``dst2``
+    (may be ``src``), which receives ``new`` with ``swap`` and the result without, and
+    gets back ``(sum (result - new)^2, sum new^2)`` in float64 (else zeros)."""
+    b0, b1 = blocks if blocks is not None else (0, layout.blocks)
+    signs = _signs(layout.block_size, layout.options)
+    empty = torch.empty(0)
+    return tuple(extension().param_apply(codes, scales, b0, b1, layout.bits, layout.block_size, src, dst,
+                                         empty if new is None else new, empty if dst2 is None else dst2,
+                                         bool(swap), isa, empty if signs is None else signs,
+                                         _rot_scale(layout.block_size)))

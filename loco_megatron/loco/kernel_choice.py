@@ -9,8 +9,8 @@ from typing import Callable, Optional, Sequence
 
 def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
-                   options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None
-                   ) -> tuple[str, Optional[str]]:
+                   options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None,
+                   param_gather_bits: int = 0) -> tuple[str, Optional[str]]:
     """``(kernels, why)``: ``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``,
     and, when a fused path was possible in principle but torch runs (``auto`` on a shape or
     option the device's kernels cannot serve, or a C++ build that failed), one phrase
@@ -25,6 +25,8 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
     line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
     ``announce`` gets one line before the C++ kernels are compiled (first use only).
+    ``param_gather_bits`` (``--param-gather-bits``, 0: off): the parameter gather runs on
+    the same kernels, so the narrower of the two widths sizes the smallest Triton block.
     """
     if choice == "torch":
         return "torch", None
@@ -47,7 +49,7 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
         why = "triton is not installed (pip install -r requirements-triton.txt)"
     elif device_type != "cuda" and not interpret:
         why = "needs a CUDA device (or TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
-    elif block_size & (block_size - 1) or block_size < 8 * (8 // bits):
+    elif block_size & (block_size - 1) or block_size < 8 * (8 // min(bits, param_gather_bits or bits)):
         why = f"needs a power-of-two --loco-block-size, got {block_size}"
     elif error_feedback and error_bits != 8:
         why = f"supports the int8 error buffer only (--loco-error-bits 8), got {error_bits}"
@@ -72,11 +74,18 @@ def kernels_line(kernels: str, grads_compressed: bool, param_gather_bits: int, w
     adds why the gradients fell back to torch; ``param_options`` (e.g. ``2-bit
     uniform/mse/hadamard/nearest``) follows the parameter gather's kernels in parentheses.
 
-    The parameter gather (``--param-gather-bits``) quantises on the C++ kernels where
-    ``--loco-kernels`` resolved to cpu, else on torch (:class:`.hooks.ParamGatherHook`)."""
+    The parameter gather (``--param-gather-bits``) runs on the fused kernels the gradients'
+    ``--loco-kernels`` resolved to (cpu or triton), else on torch (:class:`.hooks.ParamGatherHook`,
+    :func:`param_kernels`)."""
     grads = kernels if grads_compressed else "off (megatron's reduce-scatter)"
-    params = ("cpu" if kernels == "cpu" else "torch") if param_gather_bits else "off (megatron's all-gather)"
+    params = param_kernels(kernels) if param_gather_bits else "off (megatron's all-gather)"
     if param_gather_bits and param_options:
         params += f" ({param_options})"
     line = f"kernels: grads {grads}, params {params}"
     return line + (f"; torch because {why}" if why and grads_compressed else "")
+
+
+def param_kernels(kernels: str) -> str:
+    """The parameter gather's kernels for the resolved ``--loco-kernels``: the same fused
+    kernels (C++ encode and decode-and-apply on cpu, Triton on triton), else torch."""
+    return kernels if kernels in ("cpu", "triton") else "torch"

@@ -30,8 +30,9 @@ the fp32 scales' bytes.
 
 Memory: encode and decode work through each shard in chunks of whole blocks
 (:data:`DECODE_CHUNK` elements), so their temporaries are at most
-``CHUNK_TEMP_BYTES_PER_ELEMENT * DECODE_CHUNK`` bytes (12 MiB) whatever the bucket size;
-:meth:`DeltaLayout.transient_bytes` adds the wire rows.
+``CHUNK_TEMP_BYTES_PER_ELEMENT * DECODE_CHUNK`` bytes (12 MiB) whatever the bucket size
+(the fused apply, :func:`apply_row`, needs none: one block per thread on the stack, or
+in a Triton tile); :meth:`DeltaLayout.transient_bytes` adds the wire rows.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class DeltaLayout:
 
     def __init__(self, numel: int, world: int, bits: int, block_size: int, kernels: str = "torch",
                  chunk: int = DECODE_CHUNK, options: qz.QuantOptions = qz.DEFAULT_OPTIONS, stream: int = 0):
-        """``kernels``: ``"torch"`` (the reference) or ``"cpu"`` (the fused C++ quantise and
-        dequantise of :mod:`.cpu_kernels`: the same codes, scales and deltas, bit for bit).
+        """``kernels``: ``"torch"`` (the reference), ``"cpu"`` (the fused C++ kernels of
+        :mod:`.cpu_kernels`) or ``"triton"`` (the fused Triton kernels, CUDA): the encode
+        through the compress kernel without error feedback, the apply through the fused
+        decode-and-apply (:func:`apply_row`); the same codes, scales and parameters, bit for bit.
         ``chunk``: elements per encode/decode slice (rounded down to whole blocks, so a
         rotation block never straddles chunks). ``options``: the quantiser options (the
         same on every rank); ``stream``: this bucket's part of the stochastic-rounding key
@@ -161,6 +164,12 @@ def encode_delta(new: torch.Tensor, agreed: torch.Tensor, layout: DeltaLayout,
 
             codes, s, _ = cpu_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, d.numel(),
                                                options=None if layout.plain else layout.options, key=ck)
+        elif layout.kernels == "triton":  # the same, Triton (its per-block metric sums are unused)
+            from loco_megatron.loco import triton_kernels
+
+            stats = torch.empty(b1 - b0, 3, dtype=torch.float32, device=d.device)
+            codes, s = triton_kernels.compress(d, None, None, 0.0, layout.bits, layout.block_size, None, None,
+                                               stats, options=layout.options, key=ck)
         else:
             codes, s = qz.quantize_blockwise(d, layout.bits, layout.block_size, layout.options, ck)
         c0, c1 = layout.chunk_bytes(b0, b1)
@@ -211,6 +220,36 @@ def decode_rows(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, 
 def add_delta(agreed: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``cast(float(agreed) + delta)`` at ``agreed``'s dtype: the one formula every rank uses."""
     return (agreed.float() + delta).to(agreed.dtype)
+
+
+def apply_row(row: torch.Tensor, scales: torch.Tensor, layout: DeltaLayout, src: torch.Tensor, dst: torch.Tensor,
+              new: Optional[torch.Tensor] = None, dst2: Optional[torch.Tensor] = None, swap: bool = False,
+              blocks: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+    """The fused decode-and-apply of blocks ``blocks`` (default: all) of one gathered row on
+    ``layout.kernels`` (``"cpu"`` or ``"triton"``): ``dst = add_delta(src, decode_chunk(...))``
+    bit for bit, with no fp32 delta tensor. ``row``: uint8 ``[row_bytes]``; ``scales``: its
+    ``[blocks]`` from :func:`row_scales`; ``src``/``dst``: the shard ``[S]`` (the same
+    tensor for another rank's shard). The own shard (``new`` set) returns the float64
+    ``[2]`` metric sums ``(||result - new||^2, ||new||^2)`` on ``src``'s device; see
+    :meth:`AgreedShard.apply_slots` for what goes where."""
+    if layout.kernels == "triton":
+        from loco_megatron.loco import triton_kernels
+
+        return triton_kernels.param_apply(row, scales, layout, src, dst, new, dst2, swap, blocks)
+    from loco_megatron.loco import cpu_kernels
+
+    sums = cpu_kernels.param_apply(row, scales, layout, src, dst, new, dst2, swap, blocks)
+    return torch.tensor(sums, dtype=torch.float64) if new is not None else None
+
+
+class ApplySlots(NamedTuple):
+    """Where the own shard's fused apply reads and writes (:func:`apply_row`'s arguments)."""
+
+    src: torch.Tensor   # the agreed shard from before the step
+    new: torch.Tensor   # the optimizer's new values (read before dst is written: it is dst)
+    dst: torch.Tensor   # receives the new agreed values
+    dst2: torch.Tensor  # receives new (swap) or the new agreed values
+    swap: bool
 
 
 class AgreedShard:
@@ -280,6 +319,12 @@ class AgreedShard:
         else:
             self.spare[lo:hi].copy_(new_agreed)
         self.own[lo:hi].copy_(new_agreed)
+
+    def apply_slots(self) -> ApplySlots:
+        """:meth:`finish_slice` as the fused apply does it in one pass (``new``: ``own``'s
+        update, ``dst``: ``own``; ``dst2``: ``spare``, which gets the exact main values when
+        aliased, the new agreed ones when not)."""
+        return ApplySlots(self.spare, self.own, self.own, self.spare, self.main_aliased)
 
     def finished(self) -> None:
         self.pending = False

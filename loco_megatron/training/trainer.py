@@ -86,7 +86,7 @@ def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) ->
                                   lc.loco_block_size, lc.loco_error_bits, lc.loco_error_feedback,
                                   options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
                                                        lc.loco_rounding).non_default() if lc.enabled else (),
-                                  announce=_rank0_print(env.rank == 0))
+                                  announce=_rank0_print(env.rank == 0), param_gather_bits=lc.param_gather_bits)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     per_node = lc.loco_ranks_per_node or env.local_world_size

@@ -2,7 +2,8 @@
 // residual, error update, int8 re-quantisation) and decompress-and-sum, for the original
 // scheme and for every quantiser option (uniform grid, mse scale, Hadamard rotation and,
 // on the receiving side, unrotation, stochastic rounding: quant_options.h and the
-// compress_range_opts path below).
+// compress_range_opts path below); and the parameter gather's decode-and-apply
+// (param_apply.h).
 //
 // Semantics are those of the torch reference (loco_megatron/loco/quantize.py,
 // compressor.py, collectives.py), operation for operation, so codes and scales are
@@ -540,6 +541,21 @@ struct DecompArgs {
   float rot_scale;
 };
 
+// One block's dequantised codes float(q) * s (one rounding each) into acc, from its packed
+// bytes c (planar: byte j holds the codes j, j + B/K, ... of the block).
+template <int BITS>
+LOCO_INLINE void decode_block(const uint8_t* c, float s, float* acc, int B) {
+  constexpr int K = 8 / BITS;
+  constexpr int OFF = 1 << (BITS - 1);
+  constexpr int MASK = (1 << BITS) - 1;
+  const int BK = B / K;
+  for (int p = 0; p < K; ++p) {
+    float* dst = acc + p * BK;
+#pragma omp simd
+    for (int j = 0; j < BK; ++j) dst[j] = static_cast<float>(((c[j] >> (p * BITS)) & MASK) - OFF) * s;
+  }
+}
+
 template <typename OUT, int BITS>
 LOCO_INLINE void decomp_range(const DecompArgs& a, int64_t b0, int64_t b1) {
   constexpr int K = 8 / BITS;
@@ -555,15 +571,14 @@ LOCO_INLINE void decomp_range(const DecompArgs& a, int64_t b0, int64_t b1) {
       float s;
       std::memcpy(&s, row + a.code_bytes + 4 * b, 4);
       const uint8_t* c = row + b * block_bytes;
+      if (r == 0) {  // the reference starts from rank 0's part itself
+        decode_block<BITS>(c, s, acc, B);
+        continue;
+      }
       for (int p = 0; p < K; ++p) {
         float* dst = acc + p * BK;
-        if (r == 0) {  // the reference starts from rank 0's part itself
 #pragma omp simd
-          for (int j = 0; j < BK; ++j) dst[j] = static_cast<float>(((c[j] >> (p * BITS)) & MASK) - OFF) * s;
-        } else {
-#pragma omp simd
-          for (int j = 0; j < BK; ++j) dst[j] += static_cast<float>(((c[j] >> (p * BITS)) & MASK) - OFF) * s;
-        }
+        for (int j = 0; j < BK; ++j) dst[j] += static_cast<float>(((c[j] >> (p * BITS)) & MASK) - OFF) * s;
       }
     }
     const int64_t valid = std::min<int64_t>(a.B, a.shard - b * a.B);
@@ -616,6 +631,15 @@ void decomp_bits(const DecompArgs& a, int64_t nb, int64_t bits) {
   else TORCH_CHECK(false, "bits must be 2, 4 or 8");
 }
 
+// The Hadamard signs [B] a decode unrotates with, or null (undefined or empty: no rotation).
+const float* unrotate_signs(const at::Tensor& signs, int64_t block_size) {
+  if (!signs.defined() || signs.numel() == 0) return nullptr;
+  TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.numel() == block_size && signs.is_contiguous() &&
+                  (block_size & (block_size - 1)) == 0,
+              "signs must be contiguous fp32 with ", block_size, " elements (a power of two)");
+  return signs.data_ptr<float>();
+}
+
 // out (shard elements, fp32/bf16/fp16) = scale * sum over r in rank order of D(recv[r]).
 void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, int64_t bits, int64_t block_size,
                     at::Tensor out, double scale, int64_t isa, const at::Tensor& signs, double rot_scale) {
@@ -625,14 +649,8 @@ void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, i
   TORCH_CHECK(block_size > 0 && block_size % 8 == 0 && block_size <= kMaxBlock, "unsupported block_size");
   const int64_t nb = (shard + block_size - 1) / block_size;
   DecompArgs a{recv.data_ptr<uint8_t>(), recv.size(0), recv.size(1), code_bytes, shard, block_size,
-               static_cast<float>(scale), scale != 1.0, out.data_ptr(), pick_isa(isa), nullptr,
-               static_cast<float>(rot_scale)};
-  if (signs.defined() && signs.numel() > 0) {
-    TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.numel() == block_size && signs.is_contiguous() &&
-                    (block_size & (block_size - 1)) == 0,
-                "signs must be contiguous fp32 with ", block_size, " elements (a power of two)");
-    a.signs = signs.data_ptr<float>();
-  }
+               static_cast<float>(scale), scale != 1.0, out.data_ptr(), pick_isa(isa),
+               unrotate_signs(signs, block_size), static_cast<float>(rot_scale)};
   switch (out.scalar_type()) {
     case at::kFloat: decomp_bits<float>(a, nb, bits); break;
     case at::kBFloat16: decomp_bits<c10::BFloat16>(a, nb, bits); break;
@@ -641,6 +659,9 @@ void decompress_sum(const at::Tensor& recv, int64_t code_bytes, int64_t shard, i
   }
 }
 
+// The parameter gather's fused decode-and-apply (uses the helpers above).
+#include "param_apply.h"
+
 }  // namespace
 
 int64_t isa() { return isa_level(); }
@@ -648,5 +669,6 @@ int64_t isa() { return isa_level(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "LoCo fused compress (see loco_cpu.cpp)");
   m.def("decompress_sum", &decompress_sum, "LoCo fused decompress-and-sum");
+  m.def("param_apply", &param_apply, "parameter gather: decode one row and apply it (see param_apply.h)");
   m.def("isa", &isa, "the best instruction-set copy this CPU runs: 2 AVX-512, 1 AVX2+FMA, 0 baseline");
 }

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.loco.hooks.version import check_megatron_core_version
+from loco_megatron.loco.kernel_choice import param_kernels
 from loco_megatron.loco.param_delta import AgreedShard, DeltaLayout
 from loco_megatron.loco.param_gather import compressed_param_all_gather
 from loco_megatron.loco.quantize import QuantOptions
@@ -93,8 +94,8 @@ class ParamGatherHook:
                 # A group of one rank gathers nothing: megatron's no-op copy stays exact.
                 compressed = bool(self.bits) and group.intra_distributed_optimizer_instance_size > 1
                 if compressed:
-                    # The C++ quantise/dequantise where the gradients use them (CPU); else torch.
-                    self._kernels = "cpu" if loco.loco_kernels == "cpu" else "torch"
+                    # The fused kernels where the gradients use them (C++ on CPU, Triton on CUDA).
+                    self._kernels = param_kernels(loco.loco_kernels)
                     self._make_shards(group, keys, loco.loco_block_size,
                                       QuantOptions(**loco.param_gather_options(), seed=loco.loco_quant_seed))
                 group.start_param_sync = self._make_start_param_sync(group, keys, compressed)

@@ -16,6 +16,9 @@ over memory per bucket:
   and writes ``scale * sum_r D(codes_r, scales_r)``, summed in fp32 in rank order (and,
   with the Hadamard rotation, unrotated once per block before the scaling), into the
   shard (cast to its dtype) - bit-identical to the reference.
+* :func:`param_apply`: the parameter gather's decode-and-apply of one gathered row,
+  ``dst = cast(float(src) + D(codes, scales))`` (the contract of ``csrc/param_apply.h``),
+  bit-identical to :func:`.param_delta.add_delta` of :func:`.param_delta.decode_chunk`.
 
 The kernels themselves are in :mod:`.kernels`, their helpers in :mod:`.jit`.
 """
@@ -31,9 +34,9 @@ import triton
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
 from loco_megatron.loco.triton_kernels import jit, kernels  # noqa: F401  (tk.jit, tk.kernels)
-from loco_megatron.loco.triton_kernels.kernels import _compress_kernel, _decompress_sum_kernel
+from loco_megatron.loco.triton_kernels.kernels import _compress_kernel, _decompress_sum_kernel, _param_apply_kernel
 
-__all__ = ["compress", "decompress_sum", "triton_interpreted"]
+__all__ = ["compress", "decompress_sum", "param_apply", "triton_interpreted"]
 
 
 def _no_fma(t: torch.Tensor) -> bool:
@@ -123,3 +126,39 @@ def decompress_sum(recv: torch.Tensor, layout, out: torch.Tensor, scale: float =
         recv.view(torch.float32) if signs is None else signs, out.numel(), layout.shard_blocks, layout.row_bytes,
         layout.code_bytes, float(scale), B ** -0.5, WORLD=layout.world, BITS=layout.bits, B=B,
         LOG_B=B.bit_length() - 1, ROWS=rows, ROTATE=signs is not None, OUT_BF16=bf16, NO_FMA=_no_fma(recv))
+
+
+_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The parameter dtypes :func:`param_apply` takes, as its kernel's ``DTYPE`` (bf16 travels as uint16 bits)."""
+
+
+def param_apply(codes: torch.Tensor, scales: torch.Tensor, layout, src: torch.Tensor, dst: torch.Tensor,
+                new: Optional[torch.Tensor] = None, dst2: Optional[torch.Tensor] = None, swap: bool = False,
+                blocks: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+    """Blocks ``blocks = (b0, b1)`` (default: all) of one gathered row applied to its shard,
+    with the arguments of :func:`.cpu_kernels.param_apply` (``codes``: the uint8 row,
+    ``scales``: its fp32 ``[blocks]`` of :func:`.param_delta.row_scales`, ``src``/``dst``:
+    ``[S]``, fp32/bf16/fp16, the same tensor in place; the own shard's ``new``, ``dst2``,
+    ``swap``). Returns the own shard's float64 ``[2]`` ``(sum (result - new)^2, sum new^2)``
+    on the device (no host sync), else None."""
+    assert src.dtype in _PARAM_DTYPES and dst.dtype == src.dtype, (src.dtype, dst.dtype)
+    B = layout.block_size
+    b0, b1 = blocks if blocks is not None else (0, layout.blocks)
+    per_block = B * layout.bits // 8
+    lo, hi = b0 * B, min(b1 * B, src.numel())
+    rows = _rows(src)
+    grid = triton.cdiv(b1 - b0, rows)
+    own = new is not None
+    norms = torch.empty(grid, 2, dtype=torch.float32, device=src.device) if own else scales
+
+    def param(t: Optional[torch.Tensor]) -> torch.Tensor:  # the slice, bf16 as its bits; None: unused
+        t = src if t is None else t
+        return t[lo:hi].view(torch.uint16) if t.dtype == torch.bfloat16 else t[lo:hi]
+
+    signs = _signs(layout.options, B, src)
+    _param_apply_kernel[(grid,)](
+        codes[b0 * per_block:b1 * per_block], scales[b0:b1], param(src), param(dst), param(new), param(dst2), norms,
+        scales if signs is None else signs, hi - lo, b1 - b0, B ** -0.5, BITS=layout.bits, B=B,
+        LOG_B=B.bit_length() - 1, ROWS=rows, ROTATE=signs is not None, DTYPE=_PARAM_DTYPES[src.dtype], OWN=own,
+        HAS_DST2=dst2 is not None, SWAP=bool(swap), NO_FMA=_no_fma(src))
+    return norms.double().sum(dim=0) if own else None

@@ -1,6 +1,7 @@
-"""Compile the fused kernels for an NVIDIA target without a GPU (Triton builds PTX and a
-cubin from the source alone): the check that they compile for real, which the CPU
-interpreter cannot give (it accepts code the compiler refuses).
+"""Compile the fused kernels (compress, decompress-and-sum, the parameter gather's
+decode-and-apply) for an NVIDIA target without a GPU (Triton builds PTX and a cubin from
+the source alone): the check that they compile for real, which the CPU interpreter
+cannot give (it accepts code the compiler refuses).
 
 ``python -m loco_megatron.loco.triton_kernels.ahead`` (TRITON_INTERPRET unset) compiles the
 configurations of :data:`CONFIGS` for sm_90 and prints one line per configuration:
@@ -23,6 +24,10 @@ CONFIGS = {
                                                              ROTATE=True, STOCHASTIC=True)),
     "decompress 4-bit fp32": ("decompress", dict(BITS=4, ROTATE=False, OUT_BF16=False)),
     "decompress 2-bit hadamard bf16": ("decompress", dict(BITS=2, ROTATE=True, OUT_BF16=True)),
+    "param apply 4-bit fp32 in place": ("apply", dict(BITS=4, ROTATE=False, DTYPE=0, OWN=False, HAS_DST2=False,
+                                                      SWAP=False)),
+    "param apply 2-bit hadamard bf16 own shard": ("apply", dict(BITS=2, ROTATE=True, DTYPE=1, OWN=True,
+                                                                HAS_DST2=True, SWAP=False)),
 }
 
 _COMPRESS_ARGS = {"g_ptr": "*fp32", "err_ptr": "*i8", "err_s_ptr": "*fp32", "codes_ptr": "*u8",
@@ -32,6 +37,10 @@ _COMPRESS_ARGS = {"g_ptr": "*fp32", "err_ptr": "*i8", "err_s_ptr": "*fp32", "cod
 _DECOMPRESS_ARGS = {"recv_ptr": "*u8", "recv_f32_ptr": "*fp32", "out_ptr": "*fp32", "signs_ptr": "*fp32",
                     "shard": "i32", "shard_blocks": "i32", "row_bytes": "i32", "code_bytes": "i32",
                     "scale": "fp32", "rot_scale": "fp32"}
+_APPLY_ARGS = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "src_ptr": "*fp32", "dst_ptr": "*fp32", "new_ptr": "*fp32",
+               "dst2_ptr": "*fp32", "norms_ptr": "*fp32", "signs_ptr": "*fp32", "numel": "i32", "num_blocks": "i32",
+               "rot_scale": "fp32"}
+_PARAM_PTRS = ("src_ptr", "dst_ptr", "new_ptr", "dst2_ptr")
 
 
 def compile_one(kind: str, consts: dict, arch: int = 90):
@@ -46,6 +55,9 @@ def compile_one(kind: str, consts: dict, arch: int = 90):
     consts = dict(consts, B=256, LOG_B=8, ROWS=4, NO_FMA=True)
     if kind == "compress":
         fn, sig = kernels._compress_kernel, dict(_COMPRESS_ARGS)
+    elif kind == "apply":  # the parameters' pointers at their dtype (bf16 as its uint16 bits)
+        fn, sig = kernels._param_apply_kernel, dict(_APPLY_ARGS)
+        sig.update({k: ("*fp32", "*u16", "*fp16")[consts["DTYPE"]] for k in _PARAM_PTRS})
     else:
         fn, sig = kernels._decompress_sum_kernel, dict(_DECOMPRESS_ARGS)
         consts["WORLD"] = 2

@@ -222,3 +222,52 @@ def rotate(x2, d, rot_scale, ROWS: tl.constexpr, B: tl.constexpr, LOG_B: tl.cons
     if INVERSE:
         x2 = x2 * d[None, :]
     return x2
+
+
+@triton.jit
+def bf16_bits(x):
+    """fp32 -> bf16 bits (uint16) rounded to nearest even on the bits, as torch's casts
+    round (the interpreter's own cast truncates); NaN becomes the quiet NaN 0x7FC0."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def param_load(raw, DTYPE: tl.constexpr):
+    """Parameters as loaded (``DTYPE`` 0: fp32, 1: bf16 as its uint16 bits, 2: fp16) ->
+    ``(fp32 values, whether each is -0.0)``, both exact (on the bits)."""
+    if DTYPE == 1:
+        x = (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        neg_zero = raw == 0x8000
+    elif DTYPE == 2:
+        x = raw.to(tl.float32)
+        neg_zero = raw.to(tl.uint16, bitcast=True) == 0x8000
+    else:
+        x = raw
+        neg_zero = raw.to(tl.uint32, bitcast=True) == 0x80000000
+    return x, neg_zero
+
+
+@triton.jit
+def param_cast(x, DTYPE: tl.constexpr):
+    """fp32 -> the parameter dtype as stored (see :func:`param_load`), one rounding to
+    nearest even (fp16: the cast's default rounding, nearest even on a GPU and in numpy)."""
+    if DTYPE == 1:
+        return bf16_bits(x)
+    elif DTYPE == 2:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
+def dequant(ptr, byte_offs, mask, s, BITS: tl.constexpr, K: tl.constexpr, NO_FMA: tl.constexpr):
+    """``float(q) * s`` (fp32 ``[ROWS, K, BK]``) of the packed codes at ``ptr + byte_offs``
+    (``[ROWS, BK]`` bytes, planar: byte j holds plane i's code j in bits [i*BITS, ...),
+    offset binary; masked bytes read 0) and the scales ``s`` ``[ROWS]``. The product
+    feeds an add in every caller: an explicit ``mul.rn`` (:func:`mul`)."""
+    packed = tl.load(ptr + byte_offs, mask=mask, other=0).to(tl.int32)
+    shift = (tl.arange(0, K) * BITS)[None, :, None]
+    q = ((packed[:, None, :] >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+    return mul(q.to(tl.float32), s[:, None, None], NO_FMA)

@@ -1,4 +1,5 @@
-"""The two fused @triton.jit kernels (launched by :mod:`.` with the right constexprs).
+"""The fused @triton.jit kernels (launched by :mod:`.` with the right constexprs): LoCo's
+compress and decompress-and-sum, and the parameter gather's decode-and-apply.
 
 The tile of one program is ``[ROWS, K, B/K]``: ``ROWS`` quantisation blocks of ``B``
 elements, each split into the ``K = 8/bits`` planes that share a byte (the planar
@@ -98,37 +99,74 @@ def _decompress_sum_kernel(recv_ptr, recv_f32_ptr, out_ptr, signs_ptr, shard, sh
                            NO_FMA: tl.constexpr):
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
-    MASK: tl.constexpr = (1 << BITS) - 1
     rows, offs = J.tile(tl.program_id(0), ROWS, K, BK)
     row_ok = rows < shard_blocks
-    plane = tl.arange(0, K)
     col = tl.arange(0, BK)
     byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
     byte_ok = row_ok[:, None] & (col[None, :] >= 0)
     row_bytes64 = row_bytes.to(tl.int64)
-    shift = (plane * BITS)[None, :, None]
     # acc = part_0, then += part_r in rank order: the reference's fp32 additions (starting
     # from zeros instead would turn a -0.0 part, q = 0 under a negative uniform scale, into +0.0).
-    packed = tl.load(recv_ptr + byte_offs, mask=byte_ok, other=0).to(tl.int32)
-    q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
     s = tl.load(recv_f32_ptr + code_bytes // 4 + rows, mask=row_ok, other=0.0)
-    acc = J.mul(q.to(tl.float32), s[:, None, None], NO_FMA)
+    acc = J.dequant(recv_ptr, byte_offs, byte_ok, s, BITS, K, NO_FMA)
     for r in range(1, WORLD):
-        packed = tl.load(recv_ptr + r * row_bytes64 + byte_offs, mask=byte_ok, other=0).to(tl.int32)
-        q = ((packed[:, None, :] >> shift) & MASK) - OFFSET
         s = tl.load(recv_f32_ptr + (r * row_bytes64 + code_bytes) // 4 + rows, mask=row_ok, other=0.0)
-        acc += J.mul(q.to(tl.float32), s[:, None, None], NO_FMA)
+        acc += J.dequant(recv_ptr + r * row_bytes64, byte_offs, byte_ok, s, BITS, K, NO_FMA)
     if ROTATE:  # the rows were rotated: unrotate the sum once (linear), before the scaling
         d = tl.load(signs_ptr + tl.arange(0, B))
         acc = tl.reshape(J.rotate(tl.reshape(acc, (ROWS, B)), d, rot_scale, ROWS, B, LOG_B, True, NO_FMA),
                          (ROWS, K, BK))
     acc = J.mul(acc, scale, NO_FMA)  # exact when scale == 1.0
-    if OUT_BF16:
-        # fp32 -> bf16 rounding to nearest even on the bits, as torch's copy_ does (and
-        # the same in the interpreter, whose own cast truncates); NaN stays a quiet NaN.
-        bits = acc.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(out_ptr + offs, tl.where(acc != acc, 0x7FC0, rounded).to(tl.uint16), mask=offs < shard)
+    if OUT_BF16:  # rounded to nearest even on the bits, as torch's copy_ does
+        tl.store(out_ptr + offs, J.bf16_bits(acc), mask=offs < shard)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < shard)
+
+
+@triton.jit
+def _param_apply_kernel(codes_ptr, scales_ptr, src_ptr, dst_ptr, new_ptr, dst2_ptr, norms_ptr, signs_ptr, numel,
+                        num_blocks, rot_scale, BITS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr,
+                        ROWS: tl.constexpr, ROTATE: tl.constexpr, DTYPE: tl.constexpr, OWN: tl.constexpr,
+                        HAS_DST2: tl.constexpr, SWAP: tl.constexpr, NO_FMA: tl.constexpr):
+    """``dst = cast(float(src) + D(codes, scales))`` for blocks ``[0, num_blocks)`` of one
+    gathered row (``numel`` elements; the contract of ``csrc/param_apply.h``): the delta
+    ``q * s`` (an explicit ``mul.rn``: it feeds an add), unrotated with ``ROTATE``, added
+    in fp32 and cast once. In place (not ``OWN``) a block whose scale is zero is neither
+    decoded nor written unless its source holds a -0.0 (x + (+-0) == x for every other x).
+    ``OWN``: every element is applied, ``dst2`` gets the new values (``SWAP``) or the
+    result, and each program writes its blocks' ``(sum (result - new)^2, sum new^2)``
+    into ``norms[pid]``. Every element is loaded (src, new) before anything is stored, so
+    ``new`` may be ``dst`` and ``dst2`` may be ``src``."""
+    K: tl.constexpr = 8 // BITS
+    BK: tl.constexpr = B // K
+    rows, offs = J.tile(tl.program_id(0), ROWS, K, BK)
+    row_ok = rows < num_blocks
+    in_shard = offs < numel
+    s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+    raw = tl.load(src_ptr + offs, mask=in_shard, other=0)
+    x, neg_zero = J.param_load(raw, DTYPE)
+    if OWN:
+        new_raw = tl.load(new_ptr + offs, mask=in_shard, other=0)
+        need = row_ok
+    else:  # a zero scale is a delta of signed zeros: only a -0.0 source can change
+        need = row_ok & ((s != 0) | (tl.sum(tl.sum(neg_zero.to(tl.int32), axis=2), axis=1) > 0))
+    col = tl.arange(0, BK)
+    byte_offs = rows[:, None] * BK + col[None, :].to(tl.int64)
+    delta = J.dequant(codes_ptr, byte_offs, need[:, None] & (col[None, :] >= 0), s, BITS, K, NO_FMA)
+    if ROTATE:  # the encode rotated the difference: the delta is unrotated per block
+        d = tl.load(signs_ptr + tl.arange(0, B))
+        delta = tl.reshape(J.rotate(tl.reshape(delta, (ROWS, B)), d, rot_scale, ROWS, B, LOG_B, True, NO_FMA),
+                           (ROWS, K, BK))
+    result = J.param_cast(x + delta, DTYPE)
+    tl.store(dst_ptr + offs, result, mask=in_shard & need[:, None, None])
+    if OWN:
+        back, _ = J.param_load(result, DTYPE)
+        new, _ = J.param_load(new_raw, DTYPE)
+        diff = tl.where(in_shard, back - new, 0.0)
+        tl.store(norms_ptr + tl.program_id(0) * 2, tl.sum(tl.sum(tl.sum(diff * diff, axis=2), axis=1), axis=0))
+        tl.store(norms_ptr + tl.program_id(0) * 2 + 1, tl.sum(tl.sum(tl.sum(new * new, axis=2), axis=1), axis=0))
+        if HAS_DST2:
+            if SWAP:
+                tl.store(dst2_ptr + offs, new_raw, mask=in_shard)
+            else:
+                tl.store(dst2_ptr + offs, result, mask=in_shard)
