@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (at most 8 minutes on one H200: each step has its own time limit). Everything a single GPU can
+# The one prepared GPU check (at most 8 minutes on one H200: each step has its own time limit, 470 s in all). Everything a single GPU can
 # tell us today, each step bounded in time and recorded even when an earlier one fails:
 #   1. the device and the versions in use;
 #   2. the Triton kernel tests on CUDA (compiled, not interpreted): codes, scales, error
@@ -8,10 +8,16 @@
 #   3. kernel throughput (compress, decompress-and-sum) against a device-to-device copy
 #      and the torch reference, 16M..256M elements, 4 bits and 2 bits (the 2-bit default
 #      options: uniform grid, mse scale, Hadamard rotation);
-#   4. a one-GPU training smoke run of pretrain_gpt.py on NCCL (megatron-core on CUDA,
+#   4. the kernels at training shapes (benchmarks/shapes_check.py): 8 data-parallel ranks
+#      simulated on the one GPU compress a 64M-element bucket (a ragged last row), route the
+#      rows as the all-to-all would, decompress and sum, then encode and apply a parameter
+#      gather, on the Triton kernels and on torch from the same inputs, for the 4-bit and
+#      2-bit defaults: whether they agree (bit for bit, or within the documented bound) and
+#      each phase's time against a device copy (the compression a one-GPU run never does);
+#   5. a one-GPU training smoke run of pretrain_gpt.py on NCCL (megatron-core on CUDA,
 #      LoCo hooks installed; a DP group of one sends nothing, so this checks the GPU
 #      path of the model, buckets and optimizer, not compression on the wire);
-#   5. the same smoke run with TransformerEngine layers (--transformer-impl transformer_engine,
+#   6. the same smoke run with TransformerEngine layers (--transformer-impl transformer_engine,
 #      megatron-core's TE layer spec), skipped with a line when TE is not importable.
 # Output goes to $OUT (or ./gpu_results), one file per step, and a summary line each.
 #   bash benchmarks/gpu_check.sh
@@ -41,15 +47,16 @@ step() {  # step NAME TIMEOUT_S CMD...: run, keep its output, record rc and seco
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 
-step kernel_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "not training"
-step option_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_options.py -k "not sm90"
+step kernel_tests 80 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k "not training"
+step option_tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_options.py -k "not sm90"
 step kernels_4bit 40 "$PY" benchmarks/kernels.py --sizes 16M,64M,256M --bits 4 --kernels auto
-step kernels_2bit 60 "$PY" benchmarks/kernels.py --sizes 16M,64M --bits 2 --kernels auto
-step train_1gpu 90 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
+step kernels_2bit 50 "$PY" benchmarks/kernels.py --sizes 16M,64M --bits 2 --kernels auto
+step shapes 60 "$PY" benchmarks/shapes_check.py --kernels triton --numel 67108861 --world 8 --steps 3
+step train_1gpu 80 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
     --train-iters 30 --eval-interval 10 --eval-iters 2 --log-interval 5 --loco-bits 4 --bf16 \
     --data-cache-path /tmp/loco_cache --metrics-jsonl "$OUT/train_1gpu.jsonl"
 if "$PY" -c "import transformer_engine.pytorch" > "$OUT/te_import.txt" 2>&1; then
-    step train_1gpu_te 80 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
+    step train_1gpu_te 70 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
         --transformer-impl transformer_engine --train-iters 20 --eval-interval 10 --eval-iters 2 --log-interval 5 \
         --loco-bits 4 --bf16 --data-cache-path /tmp/loco_cache --metrics-jsonl "$OUT/train_1gpu_te.jsonl"
 else

@@ -40,9 +40,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from loco_megatron.config.loco import LoCoConfig  # noqa: E402
 from loco_megatron.loco import quantize as qz  # noqa: E402
-from loco_megatron.loco.collectives import ShardLayout, decompress_into  # noqa: E402
+from loco_megatron.loco.collectives import ShardLayout  # noqa: E402
 from loco_megatron.loco.compressor import LoCoCompressor  # noqa: E402
-from loco_megatron.loco.kernel_choice import resolve_kernels  # noqa: E402
+from loco_megatron.loco.kernel_choice import decompressor, resolve_kernels  # noqa: E402
 from loco_megatron.loco.workspace import Workspace  # noqa: E402
 
 
@@ -165,7 +165,7 @@ def option_ratios(n: int, world: int, repeats: int, kernels: str) -> None:
     torch.manual_seed(0)
     grad = torch.randn(n)
     ws = Workspace()
-    decompress = _decompressor(kernels)
+    decompress = decompressor(kernels)
 
     def case(bits: int, opts):
         layout = ShardLayout(n, world, bits, 256, options=opts)
@@ -342,7 +342,7 @@ def main() -> None:
                                       options=opts)
                 comp_s, comp_c = median(lambda: comp.compress(padded, ws), args.repeats)
                 recv = layout.pack(*comp.compress(padded, ws))
-                decompress = _decompressor(impl)
+                decompress = decompressor(impl)
                 dec_s, dec_c = median(lambda: decompress(recv, layout, shard), args.repeats)
                 gb = n * 4 / 1e9
                 print(f"{n:>12,} {t or '-':>7} {impl:>7} {gb / copy_s:>10.2f} {gb / comp_s:>14.2f} "
@@ -357,18 +357,6 @@ def main() -> None:
             (t0, c0, d0), (t1, c1, d1) = fast[kernels][0], fast[kernels][-1]
             print(f"{'':>12} {kernels} scaling {t0} -> {t1} threads: compress {c0 / c1:.2f}x, "
                   f"decompress+sum {d0 / d1:.2f}x", flush=True)
-
-
-def _decompressor(impl: str):
-    if impl == "triton":
-        from loco_megatron.loco import triton_kernels
-
-        return triton_kernels.decompress_sum
-    if impl == "cpu":
-        from loco_megatron.loco import cpu_kernels
-
-        return cpu_kernels.decompress_sum
-    return decompress_into
 
 
 if __name__ == "__main__":

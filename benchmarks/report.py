@@ -30,6 +30,10 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import report_fast  # noqa: E402
+
 
 def _machine() -> str:
     import torch
@@ -158,7 +162,8 @@ def main() -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--sections", choices=["all", *PARTIAL], default="all",
-                    help="2bit / checkpoint / checkpoint_memory: replace only that section of the existing --out page")
+                    help="2bit / fast / gpu / checkpoint / checkpoint_memory: replace only that section of the "
+                         "existing --out page")
     args = ap.parse_args()
     res, out = pathlib.Path(args.results), pathlib.Path(args.out)
     if args.sections != "all":
@@ -396,6 +401,7 @@ def gpu_section(res: pathlib.Path) -> list[str]:
 
 
 PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
+           "fast": (report_fast.HEADING, report_fast.section, "fast/ (the commands in benchmarks/report_fast.py)"),
            "gpu": (GPU_HEADING, gpu_section, "gpu/summary.txt (OUT=results/gpu bash benchmarks/gpu_check.sh)"),
            "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)"),
            "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,

@@ -1,9 +1,11 @@
 """Benchmarks' --smoke modes run, so the scripts cannot rot."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -223,3 +225,32 @@ def test_checkpoint_smoke(cache_dir):
     # One row per rank, its own optimizer shard beside the measured peaks (figures, no threshold).
     assert [(r[1], r[2]) for r in memory] == [("DP2", "0"), ("DP2", "1")], memory
     assert all(float(r[3]) > 0 for r in memory), memory
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "triton"])
+def test_shapes_check_matches_and_can_fail(kernels, monkeypatch):
+    """Guards against the GPU check's training-shapes step (benchmarks/shapes_check.py, the
+    CPU twin of its CUDA run) rotting or passing blindly: a ragged bucket over 3 simulated
+    ranks matches the torch reference on the C++ kernels bit for bit (Triton interpreted:
+    within the documented bound) for the 4- and 2-bit defaults, and a decompress-and-sum
+    that drops one rank's row is reported as differing."""
+    env = {"TRITON_INTERPRET": "1"} if kernels == "triton" else {}
+    numel = 5001 if kernels == "triton" else 70001
+    proc = _run(["benchmarks/shapes_check.py", "--kernels", kernels, "--numel", str(numel), "--world", "3",
+                 "--steps", "2"], env={**os.environ, **env})
+    lines = [line for line in proc.stdout.splitlines() if "-bit default:" in line]
+    assert len(lines) == 2 and all("DIFFERS" not in line for line in lines), proc.stdout
+    if kernels == "cpu":
+        assert all("identical to torch, bit for bit" in line for line in lines), proc.stdout
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import shapes_check  # noqa: PLC0415
+
+        original = shapes_check.decompressor
+        fused = original("cpu")
+
+        def drop_first_row(recv, layout, out, scale):
+            fused(recv[1:], layout, out, scale)
+
+        monkeypatch.setattr(shapes_check, "decompressor", lambda k: drop_first_row if k == "cpu" else original(k))
+        problems, _, _ = shapes_check.check("cpu", 4, 70001, 3, torch.float32, 1, torch.device("cpu"))
+        assert any("reduced shards differ" in p for p in problems), problems

@@ -89,3 +89,20 @@ def param_kernels(kernels: str) -> str:
     """The parameter gather's kernels for the resolved ``--loco-kernels``: the same fused
     kernels (C++ encode and decode-and-apply on cpu, Triton on triton), else torch."""
     return kernels if kernels in ("cpu", "triton") else "torch"
+
+
+def decompressor(kernels: str) -> Callable:
+    """The decompress-and-sum of the resolved ``kernels`` (``"torch"``, ``"cpu"``, ``"triton"``),
+    each with the contract of :func:`.collectives.decompress_into`: ``(recv, layout, out,
+    scale=1.0)``. Imported on demand (Triton and the C++ build only where they run)."""
+    if kernels == "triton":
+        from loco_megatron.loco import triton_kernels
+
+        return triton_kernels.decompress_sum
+    if kernels == "cpu":
+        from loco_megatron.loco import cpu_kernels
+
+        return cpu_kernels.decompress_sum
+    from loco_megatron.loco.collectives import decompress_into
+
+    return decompress_into

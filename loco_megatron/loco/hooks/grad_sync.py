@@ -31,8 +31,9 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter, decompress_into
+from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter
 from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
+from loco_megatron.loco.kernel_choice import decompressor
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
@@ -91,17 +92,9 @@ class GradSyncHook:
         self._workspace = Workspace()  # one scratch for all buckets (they compress in turn)
         # "auto" is resolved by the trainer (it knows the device); torch when used directly.
         self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
-        self._decompress = decompress_into
+        self._decompress = decompressor(self._kernels)
         self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
                                      loco.loco_quant_seed)
-        if self._kernels == "triton":
-            from loco_megatron.loco import triton_kernels
-
-            self._decompress = triton_kernels.decompress_sum
-        elif self._kernels == "cpu":
-            from loco_megatron.loco import cpu_kernels
-
-            self._decompress = cpu_kernels.decompress_sum
         self._node_groups = self._build_node_groups(ddp_models) if loco.enabled else {}
         self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
         self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank
