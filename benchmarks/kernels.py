@@ -270,6 +270,20 @@ def param_gather_apply(n: int, bits: int, repeats: int, worlds=(2, 8)) -> None:
                   f"{cell('still', 'fused')} fused", flush=True)
 
 
+def profile_call(n: int, bits: int, kernels: str, opts, device: torch.device) -> None:
+    """Two LoCo steps of an ``n``-element bucket (the second with a non-zero error), one
+    thread, nothing else: what a profiler wrapped around the kernels counts is theirs."""
+    torch.set_num_threads(1)
+    n -= n % 256
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    comp = LoCoCompressor(n, bits=bits, kernels=kernels, options=opts, device=device)
+    ws = Workspace()
+    for _ in range(2):
+        comp.compress(grad, ws)
+    named = "/".join((opts.quantizer, opts.scale, opts.rotation, opts.rounding))
+    print(f"two {bits}-bit ({named}) compress steps of {n:,} elements on the {kernels} kernels, one thread")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=None,
@@ -292,6 +306,10 @@ def main() -> None:
     ap.add_argument("--param-gather", action="store_true",
                     help="instead: the apply of one compressed parameter gather (--param-gather-bits --bits), fp32 "
                          "and bf16, W=2 and 8, first size, one thread: torch vs the old C++ path vs the fused kernel")
+    ap.add_argument("--profile-call", action="store_true",
+                    help="instead: two compress steps of the first size at --bits (its default options) on the "
+                         "selected kernels, one thread, timed by nothing: for an instruction-counting profiler, e.g. "
+                         "valgrind --tool=callgrind --toggle-collect='*run_chunk_*' (the C++ kernels' hot loops)")
     ap.add_argument("--smoke", action="store_true", help="two tiny sizes, one repeat")
     args = ap.parse_args()
     args.sizes = args.sizes or ("17M" if args.param_gather else "1M,4M,16M,64M,100M")
@@ -311,6 +329,8 @@ def main() -> None:
         threads = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [None]
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if args.profile_call:
+        return profile_call(sizes[0], args.bits, kernels, opts, device)
     if args.options:
         if device.type != "cpu" or kernels == "triton":
             sys.exit("error: --options times the CPU kernels (cpu or torch)")

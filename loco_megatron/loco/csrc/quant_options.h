@@ -159,6 +159,20 @@ LOCO_OPT_INLINE void tree_sum2(float* x, float* y, int L, float* sx, float* sy) 
   *sy = v[0];
 }
 
+// tree_sum of one array for a power-of-two L >= 8, the same additions as tree_sum2's.
+LOCO_OPT_INLINE float tree_sum1(float* x, int L) {
+  while (L > 8) {
+    L /= 2;
+    for (int i = 0; i < L; i += 8) st8(x + i, ld8(x + i) + ld8(x + L + i));
+  }
+  v8f u = ld8(x);
+  const v8i h4 = {4, 5, 6, 7, 4, 5, 6, 7}, h2 = {2, 3, 2, 3, 2, 3, 2, 3}, h1 = {1, 1, 1, 1, 1, 1, 1, 1};
+  u = u + __builtin_shuffle(u, h4);
+  u = u + __builtin_shuffle(u, h2);
+  u = u + __builtin_shuffle(u, h1);
+  return u[0];
+}
+
 // max |x| of a block; *nan: whether it holds a NaN (torch.amax propagates it).
 LOCO_OPT_INLINE float max_abs(const float* x, int B, bool* nan) {
   float m = 0.0f;
@@ -277,9 +291,10 @@ LOCO_OPT_INLINE float round_clamp(float y, int32_t lo_bits, int32_t hi_bits) {
 // E = B/8, exactly what tree_sum adds). 2-bit levels are 0, +-1 or +-2, so q*c is exact
 // and t - q*c has one rounding whether the product is rounded first (the reference) or
 // fused (std::fma, one instruction).
-template <int BITS>
+template <int BITS, int NC>
 LOCO_OPT_INLINE void candidate_errors(const float* t, int B, float lo, float hi, int c, float* e0, float* e1) {
-  const float c0 = kClip[c], i0 = kInvClip[c], c1 = kClip[c + 1], i1 = kInvClip[c + 1];
+  static_assert(NC == 1 || NC == 2, "one or two candidates per sweep");
+  const float c0 = kClip[c], i0 = kInvClip[c], c1 = kClip[c + NC - 1], i1 = kInvClip[c + NC - 1];
   const int E = B / 8;
   const int32_t lo_bits = kMagicBits + static_cast<int32_t>(lo), hi_bits = kMagicBits + static_cast<int32_t>(hi);
   auto sq = [lo_bits, hi_bits](float x, float cc, float inv) {
@@ -293,9 +308,19 @@ LOCO_OPT_INLINE void candidate_errors(const float* t, int B, float lo, float hi,
     const float x4 = t[i + 4 * E], x5 = t[i + 5 * E], x6 = t[i + 6 * E], x7 = t[i + 7 * E];
     e0[i] = ((sq(x0, c0, i0) + sq(x4, c0, i0)) + (sq(x2, c0, i0) + sq(x6, c0, i0))) +
             ((sq(x1, c0, i0) + sq(x5, c0, i0)) + (sq(x3, c0, i0) + sq(x7, c0, i0)));
-    e1[i] = ((sq(x0, c1, i1) + sq(x4, c1, i1)) + (sq(x2, c1, i1) + sq(x6, c1, i1))) +
-            ((sq(x1, c1, i1) + sq(x5, c1, i1)) + (sq(x3, c1, i1) + sq(x7, c1, i1)));
+    if constexpr (NC == 2)
+      e1[i] = ((sq(x0, c1, i1) + sq(x4, c1, i1)) + (sq(x2, c1, i1) + sq(x6, c1, i1))) +
+              ((sq(x1, c1, i1) + sq(x5, c1, i1)) + (sq(x3, c1, i1) + sq(x7, c1, i1)));
   }
+}
+
+// Candidate c's error: its first three tree halvings (candidate_errors), then the rest of
+// quantize.tree_sum_ over the B/8 partial sums in e ([B/8], overwritten).
+template <int BITS>
+LOCO_OPT_INLINE float candidate_error(const float* t, int B, float lo, float hi, int c, float* e) {
+  candidate_errors<BITS, 1>(t, B, lo, hi, c, e, nullptr);
+  const int H = B / 8;
+  return H >= 8 && (H & (H - 1)) == 0 ? tree_sum1(e, H) : tree_sum(e, H);
 }
 
 // quantize.option_scales of one block: the absmax (or signed-extreme) scale `base`; for
@@ -324,18 +349,22 @@ LOCO_OPT_INLINE float option_scale(const float* x, const Options& o, float* t, f
   // the pair on the winning side (quantize.mse_choice: a descent, four of the six).
   float* e2 = e + H;
   const bool pow2 = H >= 8 && (H & (H - 1)) == 0;
-  // err8/err7, then the winning side's pair (errA, errB) = (1.0, 0.9) or (0.6, 0.5).
-  float err8, err7, errA, errB;
-  candidate_errors<BITS>(t, B, lo, hi, 2, e, e2);
+  // err8/err7, then on the winning side one ratio at a time, and the last only when the
+  // rule reads it: going up, 1.0 is compared only when 0.9 is at least as good as 0.8;
+  // going down, 0.5 only when 0.6 is strictly better than 0.7 (the same choice as reading
+  // all four; one candidate fewer when the descent stops after one step, the usual case).
+  float err8, err7;
+  candidate_errors<BITS, 2>(t, B, lo, hi, 2, e, e2);
   if (pow2) tree_sum2(e, e2, H, &err8, &err7);
   else err8 = tree_sum(e, H), err7 = tree_sum(e2, H);
-  const bool up = err8 <= err7;  // towards larger ratios: ties move (keep the larger)
-  candidate_errors<BITS>(t, B, lo, hi, up ? 0 : 4, e, e2);
-  if (pow2) tree_sum2(e, e2, H, &errA, &errB);
-  else errA = tree_sum(e, H), errB = tree_sum(e2, H);
   int best;
-  if (up) best = errB <= err8 ? (errA <= errB ? 0 : 1) : 2;
-  else best = errA < err7 ? (errB < errA ? 5 : 4) : 3;  // only strictly better; NaN stops at 0.7
+  if (err8 <= err7) {  // towards larger ratios: ties move (keep the larger)
+    const float err9 = candidate_error<BITS>(t, B, lo, hi, 1, e);
+    best = err9 <= err8 ? (candidate_error<BITS>(t, B, lo, hi, 0, e) <= err9 ? 0 : 1) : 2;
+  } else {  // only strictly better; NaN stops at 0.7
+    const float err6 = candidate_error<BITS>(t, B, lo, hi, 4, e);
+    best = err6 < err7 ? (candidate_error<BITS>(t, B, lo, hi, 5, e) < err6 ? 5 : 4) : 3;
+  }
   return base * kClip[best];
 }
 
