@@ -208,6 +208,7 @@ def main() -> None:
         *headline_speed(speed),
         *headline_quality(quality),
         *headline_kernels(kernels),
+        *report_fast.headlines(res),
         "",
         "## 1. Step time and communication on a simulated cluster (`benchmarks/speed.py`)",
         "",
@@ -252,11 +253,14 @@ def main() -> None:
         "  over each bucket, vectorised, on the rank's threads), the torch reference only without",
         "  a compiler. Its cost still sits inline on the backward pass, which is what the",
         "  unshaped (fast-link) rows pay for; the fused Triton kernels are the GPU path.",
-        "- Two-hop LoCo on CPU: hop 1 compresses the whole bucket (8 bits) and hop 2 compresses",
-        "  the rank's chunk again, so each rank runs the compressor over more bytes than flat",
-        "  LoCo does; on this CPU that compute outweighs the inter-node bytes it saves except on",
-        "  the slowest link. Its design assumes compression costs about one memory pass (the",
-        "  fused GPU kernels), where the inter-node bytes dominate.",
+        "- Two-hop LoCo on CPU: on this simulator the ranks of a 2x2 run share two cores and the",
+        "  ranks of a node talk over TCP loopback, so every intra-node byte costs CPU time the",
+        "  backward pass needs. With hop 1 at 8 bits a rank compresses 1.5x the elements flat",
+        "  LoCo compresses; with bf16 inside the node it compresses half of them but hands",
+        "  about 4.4x the bytes to a loopback all-to-all; what two-hop saves is half of flat's",
+        "  inter-node bytes, mostly hidden under the backward pass at 1 Gbit/s. Its design",
+        "  assumes compression costs about one memory pass and hop 1 crosses NVLink (GPU nodes),",
+        "  where the inter-node bytes dominate (section 10 has the measured ratios).",
         "- Kernel ratios are wall-clock; the CPU-time ratios beside them are steadier on a",
         "  machine shared with other work (a preempted kernel's wall time grows, its CPU time",
         "  does not), and two-thread rows there mostly measure waiting for the second core.",
@@ -432,8 +436,26 @@ def update_section(name: str, res: pathlib.Path, out: pathlib.Path) -> None:
                  if int(m.group(1)) > _number(heading)]
         cut = later[0] if later else text.index("## What the numbers mean")
         head, tail = text[:cut], text[cut:]
-    out.write_text(head + new + tail)
+    text = head + new + tail
+    if name == "fast":
+        text = replace_headlines(text, report_fast.HEADLINE, report_fast.headlines(res))
+    out.write_text(text)
     print(out)
+
+
+def replace_headlines(text: str, prefix: str, lines: list[str]) -> str:
+    """``text`` with the headline list's lines starting with ``prefix`` replaced by
+    ``lines``, at the end of that list (a list item's continuation lines go with it)."""
+    start = text.index("## Headlines against the targets")
+    end = text.index("\n## ", start + 1)
+    items, keep = text[start:end].rstrip("\n").split("\n"), True
+    kept = []
+    for line in items:
+        if line.startswith("- "):
+            keep = not line.startswith(prefix)
+        if keep:
+            kept.append(line)
+    return text[:start] + "\n".join(kept + lines) + "\n" + text[end:]
 
 
 if __name__ == "__main__":

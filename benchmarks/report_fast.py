@@ -19,7 +19,8 @@ import statistics
 HEADING = "## 10. Fast defaults on the fused kernels (`kernels.py --options`, `speed.py`)"
 
 COMMANDS = [
-    "python benchmarks/kernels.py --options --sizes 16M --kernels cpu --repeats 11 > results/fast/options.txt",
+    "for run in 1 2 3 4; do python benchmarks/kernels.py --options --sizes 16M --kernels cpu --repeats 11 "
+    "> results/fast/options_$run.txt; done",
     "python benchmarks/kernels.py --param-gather > results/fast/param_gather.txt",
     "python benchmarks/shapes_check.py > results/fast/shapes.txt",
     "sudo python benchmarks/speed.py --out results/fast/speed_1x2 --iters 20 --links none --topologies 1x2 "
@@ -28,18 +29,30 @@ COMMANDS = [
     "--variants fp32,loco4,loco4p4",
     "for run in a b c; do sudo python benchmarks/speed.py --out results/fast/speed_2x2_$run --iters 20 "
     "--links 1gbit --topologies 2x2 --variants fp32,loco4flat,loco4,loco4i16; done",
+    "sudo python benchmarks/speed.py --out results/fast/speed_2x2_slow --iters 20 --links 300mbit,100mbit "
+    "--topologies 2x2 --variants loco4flat,loco4,loco4i16",
+    "for run in a b; do sudo python benchmarks/speed.py --out results/fast/speed_2x2p4_$run --iters 20 --links 1gbit "
+    "--topologies 2x2 --variants loco4flatp4,loco4p4,loco4i16p4; done",
 ]
 
 
-def _table(md: str) -> dict[str, list[str]]:
-    """label -> cells of the first gradient-sync table of a ``speed.md``."""
-    rows = {}
+def _tables(md: str) -> dict[str, dict[str, list[str]]]:
+    """``### heading`` -> (label -> cells) of each gradient-sync table of a ``speed.md``."""
+    out: dict[str, dict[str, list[str]]] = {}
+    rows: dict[str, list[str]] = {}
     for line in md.splitlines():
-        if line.startswith("| ") and not line.startswith(("| gradient sync", "| run ")):
+        if line.startswith("### "):
+            rows = out.setdefault(line[4:].strip(), {})
+        elif line.startswith("| ") and not line.startswith(("| gradient sync", "| run ")):
             cells = [c.strip() for c in line.strip("|").split("|")]
             if len(cells) > 8:
                 rows[cells[0]] = cells[1:]
-    return rows
+    return out
+
+
+def _table(md: str) -> dict[str, list[str]]:
+    """The first table of :func:`_tables`."""
+    return next(iter(_tables(md).values()), {})
 
 
 def _step(rows: dict, label: str) -> float:
@@ -55,17 +68,22 @@ def _verdict(value: float, target: float) -> str:
     return "met" if value <= target else f"missed by {value / target:.2f}x"
 
 
-def _option_lines(text: str) -> list[str]:
-    out = []
-    for line in text.splitlines():
-        m = re.match(r"\s+2-bit default \(uniform/mse/hadamard/nearest\)\s+compress\s+\S+ ms =\s+(\S+)x 4-bit\s+"
-                     r"decompress\+sum\s+\S+ ms =\s+(\S+)x 4-bit", line)
-        if m:
-            comp, dec = float(m.group(1)), float(m.group(2))
-            out.append(f"- CPU, one thread, 16M elements: the 2-bit default compresses in {comp:.2f}x the 4-bit "
-                       f"kernel's CPU time (target <= 1.2x: {_verdict(comp, 1.2)}), decompresses and sums in "
-                       f"{dec:.2f}x (target <= 1.2x: {_verdict(dec, 1.2)}).")
-    return out
+def _option_ratios(text: str) -> list[tuple[float, float]]:
+    """(compress, decompress+sum) ratios of the 2-bit default in a ``kernels.py --options`` output."""
+    pattern = (r"\s+2-bit default \(uniform/mse/hadamard/nearest\)\s+compress\s+\S+ ms =\s+(\S+)x 4-bit\s+"
+               r"decompress\+sum\s+\S+ ms =\s+(\S+)x 4-bit")
+    return [(float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text)]
+
+
+def _option_lines(texts: list[str]) -> list[str]:
+    runs = [r for t in texts for r in _option_ratios(t)]
+    if not runs:
+        return []
+    comp, dec = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return [f"- CPU, one thread, 16M elements, {len(runs)} runs: the 2-bit default compresses in "
+            f"{', '.join(f'{r[0]:.2f}' for r in runs)}x the 4-bit kernel's CPU time (median {comp:.2f}x; target "
+            f"<= 1.2x: {_verdict(comp, 1.2)}), decompresses and sums in {', '.join(f'{r[1]:.2f}' for r in runs)}x "
+            f"(median {dec:.2f}x; target <= 1.2x: {_verdict(dec, 1.2)})."]
 
 
 def _speed_lines(fast: pathlib.Path) -> list[str]:
@@ -87,26 +105,63 @@ def _speed_lines(fast: pathlib.Path) -> list[str]:
             out.append(f"- 2x1 at 1 Gbit/s: LoCo 4-bit + params 4-bit step {p4:.2f}x the {base}'s (target <= 0.6x: "
                        f"{_verdict(p4, 0.6)}), LoCo 4-bit alone {l4:.2f}x (target: the first below the second: "
                        f"{'met' if p4 < l4 else 'missed'}).")
-    runs = sorted(fast.glob("speed_2x2_*/speed.md"))
-    pairs = []
-    for path in runs:
-        rows = _table(path.read_text())
-        flat = "LoCo 4-bit, flat (no two-hop)"
-        if {flat, "LoCo 4-bit"} <= rows.keys():
-            i16 = rows.get("LoCo 4-bit, two-hop, bf16 inside the node")
-            pairs.append((_step(rows, "LoCo 4-bit") / _step(rows, flat),
-                          float(i16[0]) / _step(rows, flat) if i16 else None))
-    if pairs:
-        default = [p[0] for p in pairs]
-        line = (f"- 2x2 at 1 Gbit/s, {len(pairs)} runs: two-hop (the default, 8 bits inside the node) step / flat "
-                f"step {', '.join(f'{x:.2f}' for x in default)} (median {statistics.median(default):.2f}; "
-                f"target <= 1: {_verdict(statistics.median(default), 1.0)})")
-        i16 = [p[1] for p in pairs if p[1] is not None]
-        if i16:
-            line += (f"; two-hop with bf16 inside the node {', '.join(f'{x:.2f}' for x in i16)} (median "
-                     f"{statistics.median(i16):.2f}: {_verdict(statistics.median(i16), 1.0)})")
-        out.append(line + ".")
+    flat, i16_label = "LoCo 4-bit, flat (no two-hop)", "LoCo 4-bit, two-hop, bf16 inside the node"
+    out += _two_hop_line(sorted(fast.glob("speed_2x2_[a-z]/speed.md")), "", "")
+    out += _two_hop_line(sorted(fast.glob("speed_2x2p4_[a-z]/speed.md")), " + params 4-bit",
+                         ", all with the parameter all-gather at 4 bits")
+    slow = fast / "speed_2x2_slow" / "speed.md"
+    if slow.is_file():
+        for heading, rows in _tables(slow.read_text()).items():
+            if {flat, "LoCo 4-bit"} <= rows.keys():
+                parts = [f"two-hop {_step(rows, 'LoCo 4-bit') / _step(rows, flat):.2f}x flat's step"]
+                if i16_label in rows:
+                    parts.append(f"with bf16 inside the node {_step(rows, i16_label) / _step(rows, flat):.2f}x")
+                out.append(f"- {heading}, a slower link (the uncompressed parameter all-gather's bytes take most of "
+                           f"these steps): {', '.join(parts)}.")
     return out
+
+
+def _two_hop_line(paths: list, suffix: str, note: str) -> list[str]:
+    """Two-hop (the default, and bf16 inside the node) against flat over repeated 2x2 runs
+    at 1 Gbit/s: the step ratios of the variants labelled with ``suffix``."""
+    flat, default = "LoCo 4-bit, flat (no two-hop)" + suffix, "LoCo 4-bit" + suffix
+    i16_label = "LoCo 4-bit, two-hop, bf16 inside the node" + suffix
+    pairs = []
+    for path in paths:
+        rows = _table(path.read_text())
+        if {flat, default} <= rows.keys():
+            pairs.append((_step(rows, default) / _step(rows, flat),
+                          _step(rows, i16_label) / _step(rows, flat) if i16_label in rows else None))
+    if not pairs:
+        return []
+    ratios = [p[0] for p in pairs]
+    line = (f"- 2x2 at 1 Gbit/s{note}, {len(pairs)} runs: two-hop (the default, 8 bits inside the node) step / "
+            f"flat step {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}; target "
+            f"<= 1: {_verdict(statistics.median(ratios), 1.0)})")
+    i16 = [p[1] for p in pairs if p[1] is not None]
+    if i16:
+        line += (f"; two-hop with bf16 inside the node {', '.join(f'{x:.2f}' for x in i16)} (median "
+                 f"{statistics.median(i16):.2f}: {_verdict(statistics.median(i16), 1.0)})")
+    return [line + "."]
+
+
+HEADLINE = "- Fast defaults (issue 22, section 10): "
+"""The prefix of this section's lines in the page's headline list (replaced on each update)."""
+
+
+def headlines(res: pathlib.Path) -> list[str]:
+    """The headline list's lines for this section: each target's verdict, one line each,
+    and the GPU targets' state; [] when ``RESULTS/fast`` holds none of the outputs."""
+    fast = res / "fast"
+    if not fast.is_dir():
+        return []
+    texts = [p.read_text() for p in sorted(fast.glob("options*.txt"))]
+    lines = [HEADLINE + line[2:] for line in _option_lines(texts) + _speed_lines(fast)]
+    if lines and not (res / "gpu" / "summary.txt").is_file():
+        lines.append(HEADLINE + "GPU (every kernel >= 0.7x of device-copy bandwidth at 64M+ elements): not "
+                     "measured: no GPU was lent for these kernels (section 9 is an earlier run, before them; "
+                     "benchmarks/gpu_check.sh is ready for one).")
+    return lines
 
 
 def section(res: pathlib.Path) -> list[str]:
@@ -114,9 +169,9 @@ def section(res: pathlib.Path) -> list[str]:
     fast = res / "fast"
     if not fast.is_dir():
         return []
-    text = {name: (fast / name).read_text().strip() for name in ("options.txt", "param_gather.txt", "shapes.txt")
-            if (fast / name).is_file()}
-    heads = _option_lines(text.get("options.txt", "")) + _speed_lines(fast)
+    names = [p.name for p in sorted(fast.glob("options*.txt"))] + ["param_gather.txt", "shapes.txt"]
+    text = {name: (fast / name).read_text().strip() for name in names if (fast / name).is_file()}
+    heads = _option_lines([t for n, t in text.items() if n.startswith("options")]) + _speed_lines(fast)
     if not heads and not text:
         return []
     out = [HEADING, "",
@@ -127,11 +182,11 @@ def section(res: pathlib.Path) -> list[str]:
            "baseline of the compute dtype the speed script picked (see its first line in each run).",
            "", "```bash", *COMMANDS, "python benchmarks/report.py --results results --sections fast", "```", "",
            "Against the targets:", "", *heads, ""]
-    for name in ("options.txt", "param_gather.txt", "shapes.txt"):
-        if name in text:
-            out += ["```", text[name], "```", ""]
+    for name, body in text.items():
+        out += ["```", body, "```", ""]
     for path in [fast / "speed_1x2" / "speed.md", fast / "speed_2x1" / "speed.md",
-                 *sorted(fast.glob("speed_2x2_*/speed.md"))]:
+                 *sorted(fast.glob("speed_2x2_[a-z]/speed.md")), *sorted(fast.glob("speed_2x2p4_[a-z]/speed.md")),
+                 fast / "speed_2x2_slow" / "speed.md"]:
         if path.is_file():
             body = re.sub(r"^# (.*)$", r"*\1*", path.read_text().strip(), count=1, flags=re.M)
             out += [f"{path.parent.name}:", "", body.replace("\n### ", "\n#### "), ""]

@@ -28,7 +28,8 @@ inter-node link, so it runs once, unshaped. With several ranks per node LoCo run
 two-hop (8-bit inside the node, ``--loco-bits`` across; see ``loco/two_hop.py``);
 ``loco4flat`` is the flat all-to-all for comparison, ``loco4i16`` two-hop with hop 1 at
 bf16 (no compression inside the node); ``loco4p8`` / ``loco4p4`` add 8-/4-bit
-weight differences in the parameter all-gather (``--param-gather-bits``). Bytes are per
+weight differences in the parameter all-gather (``--param-gather-bits``), and
+``loco4flatp4`` / ``loco4i16p4`` are flat and bf16-inside two-hop with them. Bytes are per
 rank per step: gradient bytes sent, the part sent to other nodes, and the parameter
 all-gather's gathered bytes. ``fsdp`` / ``fsdp4`` run Megatron-FSDP as HSDP (one instance
 per node, ZeRO-3 inside it) at full precision and with LoCo 4-bit on the cross-node
@@ -67,6 +68,12 @@ VARIANTS = {
     "loco4i16": ("LoCo 4-bit, two-hop, bf16 inside the node", ["--loco-bits", "4", "--loco-intra-node-bits", "16"]),
     "loco4p8": ("LoCo 4-bit + params 8-bit", ["--loco-bits", "4", "--param-gather-bits", "8"]),
     "loco4p4": ("LoCo 4-bit + params 4-bit", ["--loco-bits", "4", "--param-gather-bits", "4"]),
+    # Two-hop against flat with the parameter all-gather compressed too (on a slow link the
+    # uncompressed gather's bytes otherwise dominate the step; multi-node, several ranks per node):
+    "loco4flatp4": ("LoCo 4-bit, flat (no two-hop) + params 4-bit",
+                    ["--loco-bits", "4", "--no-loco-hierarchical", "--param-gather-bits", "4"]),
+    "loco4i16p4": ("LoCo 4-bit, two-hop, bf16 inside the node + params 4-bit",
+                   ["--loco-bits", "4", "--loco-intra-node-bits", "16", "--param-gather-bits", "4"]),
     # Megatron-FSDP as HSDP, one instance per node (multi-node topologies only; docs/fsdp.md):
     "fsdp": ("Megatron-FSDP HSDP, full precision", [*_FSDP, "--loco-bits", "0"]),
     "fsdp4": ("Megatron-FSDP HSDP + LoCo 4-bit", [*_FSDP, "--loco-bits", "4"]),
@@ -234,7 +241,7 @@ def main() -> None:
             topo = f"{nodes}x{ranks}"
             rows, files = [], []
             for v in variants:
-                if v in ("loco4flat", "loco4i16") and not (nodes > 1 and ranks > 1):
+                if v in ("loco4flat", "loco4i16", "loco4flatp4", "loco4i16p4") and not (nodes > 1 and ranks > 1):
                     continue  # two-hop only differs with several nodes of several ranks
                 if v in FSDP_PAIR and nodes == 1:
                     continue  # HSDP needs several nodes (flat FSDP with LoCo is refused)

@@ -211,6 +211,39 @@ def test_report_rewrites_only_the_named_section(tmp_path, monkeypatch):
     assert "original 2-bit scheme +3.60%" in text
 
 
+def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
+    """Guards against `report.py --sections fast` appending its headline lines again on
+    every run (or dropping the other headlines), and against a verdict not computed from
+    the scripts' outputs: 1.30x against a 1.2x target is missed by 1.08x, a 1.05x step
+    against 1.10x is met."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report
+    import report_fast
+
+    fast = tmp_path / "fast"
+    (fast / "speed_1x2").mkdir(parents=True)
+    (fast / "options_1.txt").write_text(
+        "quantiser options ...\n  2-bit default (uniform/mse/hadamard/nearest)   compress    65.0 ms =  1.30x 4-bit"
+        "   decompress+sum     7.0 ms =  1.10x 4-bit\n")
+    cells = " | ".join(["0"] * 8)
+    (fast / "speed_1x2" / "speed.md").write_text(
+        f"# speed\n\n### 1x2\n\n| LoCo 4-bit | 100.0 | {cells} |\n| LoCo 2-bit | 105.0 | {cells} |\n")
+    page = tmp_path / "b.md"
+    page.write_text("# B\n\n## Headlines against the targets\n\n- old headline\n  - its detail\n\n"
+                    "## 5. Pre\n\nkeep me\n\n## What the numbers mean\n\n- end\n")
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
+                                          "--sections", "fast"])
+        report.main()
+    text = page.read_text()
+    heads = text.split("## Headlines against the targets", 1)[1].split("\n## ", 1)[0]
+    assert heads.count(report_fast.HEADLINE) == 3, heads  # compress, 1x2 step, GPU not lent
+    assert "- old headline\n  - its detail\n" in heads and text.count(report_fast.HEADING) == 1
+    assert "median 1.30x; target <= 1.2x: missed by 1.08x" in heads
+    assert "training step is 1.05x the 4-bit step (target <= 1.10x: met)" in heads
+    assert "keep me" in text and text.endswith("- end\n")
+
+
 def test_checkpoint_smoke(cache_dir):
     """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
     the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
