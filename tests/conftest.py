@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import pathlib
+import re
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -54,13 +60,120 @@ def torchrun_command(nproc: int, args: list[str], cache: str, metrics: pathlib.P
     return cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
+FIXED_ENV = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
+"""Environment the fork server's imports read (tests/forkserver.py): a launch with other
+values runs as a plain torchrun."""
+
+
+@functools.lru_cache(maxsize=None)
+def fork_server() -> str | None:
+    """The socket of this session's fork server (started on first use), or None when
+    LOCO_TEST_FORKSERVER=0 asks for plain torchruns everywhere."""
+    if os.environ.get("LOCO_TEST_FORKSERVER", "1") == "0":
+        return None
+    folder = tempfile.mkdtemp(prefix="loco_forkserver_")
+    path = os.path.join(folder, "sock")
+    env = dict(os.environ, PYTHONPATH=str(REPO), **FIXED_ENV)
+    log = open(os.path.join(folder, "server.log"), "w")
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py"), path], cwd=REPO, env=env,
+                              stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(server.kill)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the test fork server did not start; see {log.name}")
+        time.sleep(0.1)
+    return path
+
+
+def run_launch(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=...)``
+    for a :func:`torchrun_command` ``cmd``; one of plain ``--standalone --nproc_per_node``
+    form runs on the fork server (the same torchrun CLI, its workers forked from an
+    interpreter that has imported torch and megatron-core), any other as a process."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    plain = (cmd[:4] == head and cmd[4].startswith("--nproc_per_node=") and cmd[5].endswith(".py")
+             and all(env.get(k, "") == v for k, v in FIXED_ENV.items()))
+    path = fork_server() if plain else None
+    if path is None:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as out, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        files = {"stdout": os.path.join(out, "stdout"), "stderr": os.path.join(out, "stderr")}
+        sock.connect(path)
+        request = {"argv": ["--run-path", "--start-method", "fork", *cmd[3:]], "script": cmd[5], "env": env,
+                   "cwd": str(REPO), **files}
+        sock.sendall((json.dumps(request) + "\n").encode())
+        sock.settimeout(timeout)
+        pending = bytearray()  # the replies, one JSON line each (a socket file cannot be read after a timeout)
+
+        def reply() -> dict:
+            while b"\n" not in pending:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise RuntimeError("the test fork server closed the connection")
+                pending.extend(chunk)
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending[:] = rest
+            return json.loads(line)
+
+        pid = reply()["pid"]
+        try:
+            status = reply()["status"]
+        except (socket.timeout, TimeoutError):
+            os.killpg(pid, 9)  # the agent and its workers (the child's own process group)
+            sock.settimeout(60)
+            reply()  # the server has reaped the agent: it serves the next launch
+            err = subprocess.TimeoutExpired(cmd, timeout)
+            err.pgid = pid
+            raise err
+        with open(files["stdout"], errors="replace") as o, open(files["stderr"], errors="replace") as e:
+            return subprocess.CompletedProcess(cmd, status, o.read(), e.read())
+
+
 def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, script: str = "pretrain_gpt.py",
              timeout: int = 600, name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run ``script`` on ``nproc`` local ranks; returns the process and its metrics."""
     metrics = tmp_path / f"{name}.jsonl"
     cmd, env = torchrun_command(nproc, args, cache, metrics, script)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launch(cmd, env, timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{tail}")
     return proc, read_metrics(metrics)
+
+
+def torchrun_runs(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, runs: list[tuple[str, list[str]]],
+                  resume_at: int | None = None, timeout: int = 600):
+    """One torchrun of tests/matrix_run.py doing ``runs`` ((name, extra args), ...) one
+    after another in the same processes (start-up is most of a tiny run's cost on CPU),
+    each run with ``args + extra``, its per-step parameter-identity and wire checks and its
+    own metrics file; it stops at the first run that fails. ``resume_at``: a run with
+    --load resumes from that iteration (MATRIX_RESUME_AT). Returns the process and
+    {name: (that run's tagged stdout, its metrics)}."""
+    cmd, env = torchrun_command(nproc, args, cache, tmp_path / "unused.jsonl", script="tests/matrix_run.py")
+    env["MATRIX_RUNS"] = json.dumps([[name, [*extra, "--metrics-jsonl", str(tmp_path / f"{name}.jsonl")]]
+                                     for name, extra in runs])
+    if resume_at is not None:
+        env["MATRIX_RESUME_AT"] = str(resume_at)
+    proc = run_launch(cmd, env, timeout)
+    console = dict(re.findall(r"=== run (\w+) ===\n(.*?)(?==== run |\Z)", proc.stdout, re.S))
+    out = {}
+    for name, _ in runs:
+        mine = [line.replace(f" run={name}", "") for line in proc.stdout.splitlines() if f" run={name} " in line]
+        rank0 = [line for line in console.get(name, "").splitlines() if " run=" not in line]
+        out[name] = ("\n".join(mine + rank0) + "\n", read_metrics(tmp_path / f"{name}.jsonl"))
+    return proc, out
+
+
+def finished_run(launch: tuple, runs: list[tuple[str, list[str]]], name: str) -> tuple[str, list[dict]]:
+    """(stdout, metrics) of run ``name`` of a :func:`torchrun_runs` ``launch`` of ``runs``;
+    raises with the launch's output tail unless that run ran to its end (a later run
+    started, or it was the last one and the launch exited 0)."""
+    proc, out = launch
+    names = [n for n, _ in runs]
+    later = names[names.index(name) + 1:]
+    if not (f"=== run {later[0]} ===" in proc.stdout if later else proc.returncode == 0):
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise AssertionError(f"run {name} of a shared torchrun (runs {names}) did not finish "
+                             f"(exit {proc.returncode}):\n{tail}")
+    return out[name]

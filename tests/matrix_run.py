@@ -171,7 +171,9 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
                  f"grad_split={int(comm['comm/grad_bytes_sent_intra'] + comm['comm/grad_bytes_sent_inter'])} "
                  f"param_metric={int(comm['comm/param_bytes_sent'])}")
             if it == config.train.train_iters:
-                for chunk in chunks:  # what a save does first: finish a deferred gather
+                # What a save does first: finish a deferred gather (only the distributed
+                # optimizer gathers parameters; without it megatron asserts on the call).
+                for chunk in chunks if config.parallel.use_distributed_optimizer else ():
                     chunk.start_param_sync(force_sync=True)
                 check(it)
             return comm, sums

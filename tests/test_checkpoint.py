@@ -6,30 +6,50 @@ import pathlib
 import pytest
 import torch
 
-from conftest import TINY, torchrun, train_losses
+from conftest import TINY, finished_run, torchrun, torchrun_runs, train_losses
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 
-@pytest.mark.parametrize("save_n,save_args,load_n,load_args", [
-    (2, [], 4, []),
-    (4, [], 2, []),
-    (4, ["--tensor-model-parallel-size", "2"], 4, []),
-    (4, ["--pipeline-model-parallel-size", "2"], 4, []),
-    (2, MOE + ["--expert-model-parallel-size", "2"], 2, MOE),
-], ids=["dp2-to-dp4", "dp4-to-dp2", "tp2xdp2-to-dp4", "pp2xdp2-to-dp4", "ep2-to-ep1"])
-def test_checkpoint_reshards_to_another_layout(save_n, save_args, load_n, load_args, cache_dir, tmp_path):
+RESHARDS = {
+    "dp2-to-dp4": (2, [], 4, []),
+    "dp4-to-dp2": (4, [], 2, []),
+    "tp2xdp2-to-dp4": (4, ["--tensor-model-parallel-size", "2"], 4, []),
+    "pp2xdp2-to-dp4": (4, ["--pipeline-model-parallel-size", "2"], 4, []),
+    "ep2-to-ep1": (2, MOE + ["--expert-model-parallel-size", "2"], 2, MOE),
+}
+"""id -> (ranks, flags) of the saving run, (ranks, flags) of the resumed run."""
+RESHARD_ARGS = TINY + ["--lr-decay-iters", "6", "--lr", "0.003"]
+
+
+@pytest.fixture(scope="module")
+def reshard_saves(cache_dir, tmp_path_factory) -> dict:
+    """{id: (checkpoint folder, the saving run's metrics)}: the saving runs of RESHARDS,
+    those of one world size in one torchrun (:func:`conftest.torchrun_runs`); the resumes
+    run in fresh processes (a resume must not lean on anything the saving process holds)."""
+    out = {}
+    for nproc in (2, 4):
+        tmp = tmp_path_factory.mktemp(f"reshard_saves{nproc}")
+        runs = [(key.replace("-", "_"), save_args + ["--train-iters", "4", "--save", str(tmp / key),
+                                                     "--save-interval", "2"])
+                for key, (save_n, save_args, _, _) in RESHARDS.items() if save_n == nproc]
+        launch = torchrun_runs(nproc, RESHARD_ARGS, cache_dir, tmp, runs)
+        for name, _ in runs:
+            out[name.replace("_", "-")] = (tmp / name.replace("_", "-"), finished_run(launch, runs, name)[1])
+    return out
+
+
+@pytest.mark.parametrize("key", list(RESHARDS))
+def test_checkpoint_reshards_to_another_layout(key, reshard_saves, cache_dir, tmp_path):
     """Guards against checkpoints that only load under the layout they were written with
     (model, distributed-optimizer moments, schedule or data position wrong after a change
     of DP/TP/PP/EP), and against a silent reset of the per-rank state: the resumed run's
     first losses equal the uninterrupted run's, training goes on falling, one line says
     that RNG and LoCo state start fresh."""
-    args = TINY + ["--lr-decay-iters", "6", "--lr", "0.003"]
-    ck = tmp_path / "ck"
-    _, ref = torchrun(save_n, args + save_args + ["--train-iters", "4", "--save", str(ck), "--save-interval", "2"],
-                      cache_dir, tmp_path, name="ref")
+    _, _, load_n, load_args = RESHARDS[key]
+    ck, ref = reshard_saves[key]
     (ck / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
-    proc, resumed = torchrun(load_n, args + load_args + ["--train-iters", "6", "--load", str(ck)], cache_dir,
+    proc, resumed = torchrun(load_n, RESHARD_ARGS + load_args + ["--train-iters", "6", "--load", str(ck)], cache_dir,
                              tmp_path, name="resumed")
     a, b = train_losses(ref), train_losses(resumed)
     assert sorted(b) == [3, 4, 5, 6]

@@ -18,7 +18,7 @@ import sysconfig
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_launch
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "1", "--global-batch-size", "2"]
@@ -29,7 +29,7 @@ KNOBS = ["--rotary-base", "500000", "--norm-epsilon", "1e-6", "--use-rope-scalin
 
 def _run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_launch(cmd, env, timeout)  # a torchrun on the fork server, anything else as a process
 
 
 @pytest.fixture(scope="module")

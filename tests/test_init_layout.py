@@ -1,6 +1,6 @@
 """Initial weights that do not depend on the parallel layout."""
 
-from conftest import TINY, torchrun, train_losses
+from conftest import TINY, finished_run, torchrun, torchrun_runs, train_losses
 
 
 def test_step_one_loss_is_the_same_with_pp1_pp2_and_tp2(cache_dir, tmp_path):
@@ -12,7 +12,9 @@ def test_step_one_loss_is_the_same_with_pp1_pp2_and_tp2(cache_dir, tmp_path):
     partial sums)."""
     args = TINY + ["--train-iters", "1", "--lr-decay-iters", "4", "--global-batch-size", "4"]
     _, pp1 = torchrun(1, args, cache_dir, tmp_path, name="pp1")
-    _, pp2 = torchrun(2, args + ["--pipeline-model-parallel-size", "2"], cache_dir, tmp_path, name="pp2")
-    _, tp2 = torchrun(2, args + ["--tensor-model-parallel-size", "2"], cache_dir, tmp_path, name="tp2")
+    # PP2 and TP2 in one torchrun (start-up is most of a one-step run's cost).
+    runs = [("pp2", ["--pipeline-model-parallel-size", "2"]), ("tp2", ["--tensor-model-parallel-size", "2"])]
+    launch = torchrun_runs(2, args, cache_dir, tmp_path, runs)
+    pp2, tp2 = (finished_run(launch, runs, name)[1] for name in ("pp2", "tp2"))
     a, b, c = train_losses(pp1)[1], train_losses(pp2)[1], train_losses(tp2)[1]
     assert abs(a - b) < 1e-5 and abs(a - c) < 1e-4, (a, b, c)

@@ -16,14 +16,12 @@ change is refused with one line instead); the bytes metrics equal to what the co
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 
 import pytest
 
 from allpairs import all_pairs, coverable_pairs
-from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+from conftest import TINY, torchrun_runs, train_losses
 
 FACTORS = {
     "loco_bits": (0, 2, 4),
@@ -119,24 +117,6 @@ def test_generator_on_a_small_space():
     assert len(coverable_pairs(factors, ok)) == 11
 
 
-def _run(nproc: int, args: list[str], cache: str, tmp_path, runs: list[tuple[str, list[str]]]):
-    """One torchrun of tests/matrix_run.py doing ``runs`` ((name, extra args), ...) one
-    after another in the same processes (a run with --load resumes from iteration 2).
-    Returns the process and {name: (that run's tagged stdout, its metrics)}."""
-    cmd, env = torchrun_command(nproc, args, cache, tmp_path / "unused.jsonl", script="tests/matrix_run.py")
-    env["MATRIX_RUNS"] = json.dumps([[name, [*extra, "--metrics-jsonl", str(tmp_path / f"{name}.jsonl")]]
-                                     for name, extra in runs])
-    env["MATRIX_RESUME_AT"] = "2"
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    console = dict(re.findall(r"=== run (\w+) ===\n(.*?)(?==== run |\Z)", proc.stdout, re.S))
-    out = {}
-    for name, _ in runs:
-        mine = [line.replace(f" run={name}", "") for line in proc.stdout.splitlines() if f" run={name} " in line]
-        rank0 = [line for line in console.get(name, "").splitlines() if " run=" not in line]
-        out[name] = ("\n".join(mine + rank0) + "\n", read_metrics(tmp_path / f"{name}.jsonl"))
-    return proc, out
-
-
 def _workers(stderr: str) -> str:
     """The workers' part of torchrun's stderr: what its own report of a failure precedes."""
     return re.split(r"\S*torch[./]distributed[./]elastic", stderr)[0]
@@ -203,7 +183,7 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
     # The resumes at the same world size run in the processes of the uninterrupted run.
     runs = [("ref", ["--save", str(ck), "--save-interval", "2"]), ("same", ["--load", str(ck)])]
     runs += [("other", ["--load", str(ck), "--ddp-bucket-size", OTHER_BUCKET])] if by_bucket else []
-    proc, got = _run(n, args, cache_dir, tmp_path, runs)
+    proc, got = torchrun_runs(n, args, cache_dir, tmp_path, runs, resume_at=2)
     crash = _failure(proc, flags, " + ".join(name for name, _ in runs))
     # A crash of the bucket-size resume leaves the two runs before it to check.
     assert not crash or "=== run other ===" in proc.stdout, crash
@@ -235,7 +215,8 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
             assert not problems, "\n".join(problems)
     else:
         other_n = 2 if n == 4 else 4
-        proc, got = _run(other_n, args, cache_dir, tmp_path, [("other", ["--load", str(ck)])])
+        proc, got = torchrun_runs(other_n, args, cache_dir, tmp_path, [("other", ["--load", str(ck)])],
+                                  resume_at=2)
         out, other = got["other"]
         if cell["ckpt_format"] == "torch":  # one file per rank: only the same layout loads
             workers = _workers(proc.stderr)

@@ -1,9 +1,13 @@
-"""Real megatron-core training under torchrun on CPU/gloo: layouts, LoCo, resume, NaN."""
+"""Real megatron-core training under torchrun on CPU/gloo: layouts, LoCo, resume, NaN.
+
+Runs that start from scratch and share a world size share one torchrun
+(:func:`conftest.torchrun_runs`: start-up is most of a tiny run's cost on CPU); the
+resumes and the comparison with plain megatron run in fresh processes."""
 
 import torch
 import pytest
 
-from conftest import TINY, torchrun, train_losses
+from conftest import TINY, finished_run, torchrun, torchrun_runs, train_losses
 
 
 def _falls(losses: dict) -> bool:
@@ -11,19 +15,56 @@ def _falls(losses: dict) -> bool:
     return losses[its[-1]] < losses[its[0]] - 0.05
 
 
-@pytest.mark.parametrize("nproc,extra", [
-    (2, []),
-    (2, ["--no-use-distributed-optimizer", "--no-overlap-grad-reduce"]),
-    (4, ["--tensor-model-parallel-size", "2"]),
-    (4, ["--pipeline-model-parallel-size", "2"]),
-    (2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]),
-], ids=["dp2", "dp2-no-distopt", "tp2xdp2", "pp2xdp2", "moe-ep2"])
-def test_layouts_train_with_loco4(nproc, extra, cache_dir, tmp_path):
+LAYOUTS = {
+    "dp2": (2, []),
+    "dp2_no_distopt": (2, ["--no-use-distributed-optimizer", "--no-overlap-grad-reduce"]),
+    "tp2xdp2": (4, ["--tensor-model-parallel-size", "2"]),
+    "pp2xdp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "moe_ep2": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]),
+}
+"""test_layouts_train_with_loco4's layouts: id -> (ranks, flags)."""
+TP_ARGS = TINY + ["--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2"]
+QUALITY_ARGS = ["--train-iters", "60", "--log-interval", "10", "--eval-interval", "60", "--eval-iters", "2",
+                "--lr-warmup-iters", "5", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
+                "--lr", "0.003", "--ddp-bucket-size", "40000"]
+_ORIGINAL = ["--loco-quantizer", "symmetric", "--loco-scale", "absmax", "--loco-rotation", "none"]
+QUALITY = {"fp": [], "loco4": ["--loco-bits", "4"], "loco2": ["--loco-bits", "2", *_ORIGINAL],
+           "noef2": ["--loco-bits", "2", "--no-loco-error-feedback", *_ORIGINAL]}
+"""test_loco_quality_on_tiny_default's variants: name -> flags (on QUALITY_ARGS)."""
+
+
+def _runs(nproc: int) -> list[tuple[str, list[str]]]:
+    """The fresh runs on ``nproc`` ranks of this module's tests: (name, full flags)."""
+    runs = [(f"layout_{k}", TINY + ["--train-iters", "8", "--loco-bits", "4", *extra])
+            for k, (n, extra) in LAYOUTS.items() if n == nproc]
+    runs.append((f"tp{nproc // 2}", TP_ARGS + ["--tensor-model-parallel-size", str(nproc // 2)]))
+    if nproc == 2:
+        runs += [(f"quality_{k}", QUALITY_ARGS + extra) for k, extra in QUALITY.items()]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def shared(cache_dir, tmp_path_factory) -> dict:
+    """{ranks: (runs, launch)}: one torchrun per world size (2 and 4) doing :func:`_runs`."""
+    out = {}
+    for nproc in (2, 4):
+        runs = _runs(nproc)
+        out[nproc] = runs, torchrun_runs(nproc, [], cache_dir, tmp_path_factory.mktemp(f"shared{nproc}"), runs)
+    return out
+
+
+def _metrics(shared: dict, nproc: int, name: str) -> list[dict]:
+    runs, launch = shared[nproc]
+    return finished_run(launch, runs, name)[1]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=[k.replace("_", "-") for k in LAYOUTS])
+def test_layouts_train_with_loco4(layout, shared):
     """Guards against LoCo breaking any parallel layout (dense/expert buckets, PP stages,
     TP shards, the non-distributed-optimizer all-gather): loss falls, every gradient
     byte is sent compressed, at the 4-bit payload ratio."""
-    _, metrics = torchrun(nproc, TINY + ["--train-iters", "8", "--loco-bits", "4", *extra],
-                          cache_dir, tmp_path)
+    nproc, extra = LAYOUTS[layout]
+    metrics = _metrics(shared, nproc, f"layout_{layout}")
     assert _falls(train_losses(metrics))
     last = [m for m in metrics if "comm/compression_ratio" in m][-1]
     assert last["comm/compressed_fraction"] == pytest.approx(1.0)
@@ -43,13 +84,10 @@ def test_loco_bits_0_is_bit_identical_to_plain_megatron(cache_dir, tmp_path):
     assert train_losses(ours) == train_losses(plain)
 
 
-def test_tp2_matches_tp1(cache_dir, tmp_path):
+def test_tp2_matches_tp1(shared):
     """Guards against TP sharding changing the model (init or maths): same seed and data,
     same losses within float tolerance."""
-    args = TINY + ["--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2"]
-    _, tp1 = torchrun(2, args + ["--tensor-model-parallel-size", "1"], cache_dir, tmp_path, name="tp1")
-    _, tp2 = torchrun(4, args + ["--tensor-model-parallel-size", "2"], cache_dir, tmp_path, name="tp2")
-    a, b = train_losses(tp1), train_losses(tp2)
+    a, b = train_losses(_metrics(shared, 2, "tp1")), train_losses(_metrics(shared, 4, "tp2"))
     assert a.keys() == b.keys()
     for it in a:
         assert a[it] == pytest.approx(b[it], rel=1e-4)
@@ -130,18 +168,13 @@ def test_nan_on_one_rank_skips_step_and_keeps_error(cache_dir, tmp_path):
             assert torch.equal(t, after["model"][0][name]), name
 
 
-def test_loco_quality_on_tiny_default(cache_dir, tmp_path):
+def test_loco_quality_on_tiny_default(shared):
     """Guards against compensation that does not work: LoCo 4-bit ends near full
     precision, and 2-bit without error feedback ends clearly worse than 2-bit LoCo (both
     with the original symmetric absmax quantiser, where feedback matters most)."""
-    args = ["--train-iters", "60", "--log-interval", "10", "--eval-interval", "60", "--eval-iters", "2",
-            "--lr-warmup-iters", "5", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64",
-            "--lr", "0.003", "--ddp-bucket-size", "40000"]
     final = {}
-    original = ["--loco-quantizer", "symmetric", "--loco-scale", "absmax", "--loco-rotation", "none"]
-    for name, extra in {"fp": [], "loco4": ["--loco-bits", "4"], "loco2": ["--loco-bits", "2", *original],
-                        "noef2": ["--loco-bits", "2", "--no-loco-error-feedback", *original]}.items():
-        _, metrics = torchrun(2, args + extra, cache_dir, tmp_path, name=name)
+    for name in QUALITY:
+        metrics = _metrics(shared, 2, f"quality_{name}")
         final[name] = [m["eval/lm_loss"] for m in metrics if "eval/lm_loss" in m][-1]
     print("final eval loss:", final)
     assert final["loco4"] <= final["fp"] * 1.02

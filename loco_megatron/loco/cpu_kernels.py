@@ -1,5 +1,6 @@
 """Fused CPU kernels for LoCo's compress and decompress-and-sum, and the parameter gather's
-decode-and-apply (C++, ``csrc/loco_cpu.cpp`` and its headers).
+decode-and-apply (C++, ``csrc/``: ``loco_cpu.cpp``, the Python module, and the units and
+headers it lists in ``kernels.h``).
 
 Built at first use with ``torch.utils.cpp_extension.load`` (ninja + the system C++
 compiler) and cached in torch's extensions folder (``$TORCH_EXTENSIONS_DIR``, default
@@ -28,10 +29,18 @@ import torch
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
 
-SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "loco_cpu.cpp"
-HEADERS = (SOURCE.parent / "quant_options.h", SOURCE.parent / "param_apply.h")
-"""Included by :data:`SOURCE`; torch's build cache hashes only the sources and the flags,
-so their hash goes into a ``-D`` flag (an edited header rebuilds the extension)."""
+CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "loco_cpu.cpp"
+"""The Python module's unit (argument checks and dispatch; ``PYBIND11_MODULE``)."""
+SOURCES = (SOURCE, CSRC / "param_apply.cpp", CSRC / "isa_base.cpp", CSRC / "isa_avx2.cpp", CSRC / "isa_avx512.cpp")
+"""The translation units, which ninja compiles in parallel (torch passes ``MAX_JOBS``, default
+the CPU count): one per instruction-set copy of the hot loops, the largest part of the build,
+so that no single compiler process holds all three (``csrc/kernels.h``)."""
+HEADERS = tuple(CSRC / h for h in ("kernels.h", "compress.h", "decompress.h", "param_apply.h", "quant_options.h",
+                                   "isa_copy.h", "module.h"))
+"""Included by :data:`SOURCES`; torch's build cache hashes only the sources and the flags,
+so the hash of every source and header goes into a ``-D`` flag (an edited header rebuilds
+the extension)."""
 MAX_BLOCK = 8192
 """Largest --loco-block-size the kernels take (their per-thread block buffers are on the stack)."""
 
@@ -42,20 +51,25 @@ is reused at load time)."""
 
 
 NAME = "loco_cpu_kernels"
-BUILD_NOTE = "building LoCo's C++ CPU kernels (first use only, ~2 min; cached in torch's extensions folder)"
-"""The line printed before a build (measured with a fresh TORCH_EXTENSIONS_DIR on 2 busy cores, load
-average about 6: 3 min 37 s, 1 min 55 s of CPU; 2 min 28 s, 1 min 24 s of CPU before the 2-bit copy for
-256-element blocks and the vectorised rotation and mse search)."""
+BUILD_NOTE = ("building LoCo's C++ CPU kernels (first use only, ~3 min on 2 cores; cached in torch's "
+              "extensions folder)")
+"""The line printed before a build. Measured with a fresh TORCH_EXTENSIONS_DIR, under ``nice -n 19`` on 2
+cores shared with other work (load average 3-17), in five units that ninja compiles in parallel: 16 min
+3 s wall, 10 min 16 s of CPU (c++ user seconds per unit: isa_avx2 174, isa_avx512 170, isa_base 168,
+loco_cpu 75, param_apply 24). The one unit before (the hot loops' three copies, the module and the
+dispatch), in the same session: 24 min 18 s wall, 9 min 6 s of CPU, all of it in one compiler process.
+On idle cores the wall time is about the CPU time over the cores (the largest unit is 28% of it), against
+all of it before: from the 4-6 min of one core the one unit took on a quieter machine to about 2.5-3.5 min."""
 
 
 def needs_build() -> bool:
     """Whether loading the kernels compiles them first: no built library in torch's
-    extensions folder yet, or one older than the source or its headers (then it is rebuilt)."""
+    extensions folder yet, or one older than any of its sources or headers (then it is rebuilt)."""
     from torch.utils import cpp_extension
 
     # torch's own folder choice ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu).
     built = pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False)) / f"{NAME}.so"
-    return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (SOURCE, *HEADERS))
+    return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (*SOURCES, *HEADERS))
 
 
 @contextlib.contextmanager
@@ -88,9 +102,9 @@ def build_lock(build_dir: pathlib.Path):
 def _build_with_torch(verbose: bool = False):
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))).hexdigest()[:16]
     with build_lock(pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False))):
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
+        return cpp_extension.load(name=NAME, sources=[str(f) for f in SOURCES],
                                   extra_cflags=CFLAGS + [f"-DLOCO_HEADERS_{digest}"], extra_ldflags=["-fopenmp"],
                                   verbose=verbose)
 

@@ -1,0 +1,5 @@
+// The AVX2+FMA copy of every hot loop (see isa_copy.h); its own unit so that
+// ninja compiles the three copies in parallel.
+#define LOCO_ISA_ATTR LOCO_AVX2
+#define LOCO_ISA_SUFFIX avx2
+#include "isa_copy.h"

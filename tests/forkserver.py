@@ -1,0 +1,124 @@
+"""A fork server for the test suite's local torchruns (tests/conftest.py starts it).
+
+Most of a tiny CPU run's wall time is start-up: every rank imports torch and
+megatron-core (8-16 s per process on 2 busy cores) before it trains for a second or two.
+This process imports them once; for each launch it forks a child that runs torchrun's own
+CLI (``torch.distributed.run.main``) with ``--run-path --start-method fork``: the real
+elastic agent, rendezvous and failure reports, but workers forked from an interpreter that
+has already imported everything instead of fresh ``python -u script.py`` processes.
+
+Fork safety: this process starts no thread (imports only; nothing of torch runs), so each
+child holds a consistent copy. Environment read at import time is this process's:
+conftest starts it with the launches' fixed values (``OMP_NUM_THREADS=1``, the same
+``TRITON_INTERPRET``) and runs a launch with other values, or with launcher flags beyond
+``--standalone --nproc_per_node``, as a plain torchrun instead.
+
+Protocol (one launch per connection on a Unix socket, one JSON line each way): request
+``{"argv", "script", "env", "cwd", "stdout", "stderr"}``; replies ``{"pid": P}`` when the
+child is forked (a timeout kills its process group) and ``{"status": S}`` when it exits
+(``S`` as ``subprocess`` reports it: the exit code, or minus the signal).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import sys
+import traceback
+
+
+def _preload() -> None:
+    """What every launch's ranks import (see pretrain_gpt.py and loco_megatron.training)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+    import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import megatron.core.tokenizers.text  # noqa: F401  (transformers: ~4 s of each rank's start)
+    import sentencepiece  # noqa: F401
+    import loco_megatron.cli  # noqa: F401
+    import loco_megatron.training.trainer  # noqa: F401
+    warnings.resetwarnings()
+
+
+def _child(req: dict) -> int:
+    """The forked launch: torchrun's CLI on the request's argv, output to its files."""
+    os.setpgid(0, 0)  # the client's timeout kills the agent and its workers together
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    # Line-buffered streams on the new files (torchrun runs its workers with `python -u`;
+    # a line here is one write, so ranks sharing the file never split each other's lines).
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", line_buffering=True,
+                                  errors="backslashreplace")
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(req["script"])))  # as `python script.py` does
+    from torch.distributed import run
+
+    try:
+        run.main(req["argv"])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:  # as the torchrun command reports a failed job: traceback, exit 1
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def serve(path: str) -> None:
+    parent = os.getppid()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path + ".tmp")
+    os.replace(path + ".tmp", path)  # the client waits for the path: it appears ready
+    sock.listen(4)
+    sock.settimeout(5.0)
+    while os.getppid() == parent:  # the test session ended: so does this server
+        try:
+            conn, _ = sock.accept()
+        except socket.timeout:
+            continue
+        with conn:
+            req = json.loads(conn.makefile("r").readline())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                conn.close()
+                code = 1
+                try:
+                    code = _child(req)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            try:
+                conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            except OSError:
+                pass
+            _, status = os.waitpid(pid, 0)
+            try:
+                conn.sendall((json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    _preload()
+    serve(sys.argv[1])
