@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def fork_server() -> str | None:
     log = open(os.path.join(folder, "server.log"), "w")
     server = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py"), path], cwd=REPO, env=env,
                               stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(shutil.rmtree, folder, True)  # runs after the kill below (last registered, first run)
     atexit.register(server.kill)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
@@ -92,7 +94,7 @@ def run_launch(cmd: list[str], env: dict, timeout: float) -> subprocess.Complete
     form runs on the fork server (the same torchrun CLI, its workers forked from an
     interpreter that has imported torch and megatron-core), any other as a process."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    plain = (cmd[:4] == head and cmd[4].startswith("--nproc_per_node=") and cmd[5].endswith(".py")
+    plain = (len(cmd) > 5 and cmd[:4] == head and cmd[4].startswith("--nproc_per_node=") and cmd[5].endswith(".py")
              and all(env.get(k, "") == v for k, v in FIXED_ENV.items()))
     path = fork_server() if plain else None
     if path is None:
