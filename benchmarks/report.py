@@ -411,6 +411,8 @@ PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (q
            "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,
                                  "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
+HEADLINES = {"fast": (report_fast.HEADLINE, report_fast.headlines)}
+"""``--sections`` name -> (the prefix of its lines in the headline list, their builder)."""
 
 
 def _number(heading: str) -> int:
@@ -437,8 +439,9 @@ def update_section(name: str, res: pathlib.Path, out: pathlib.Path) -> None:
         cut = later[0] if later else text.index("## What the numbers mean")
         head, tail = text[:cut], text[cut:]
     text = head + new + tail
-    if name == "fast":
-        text = replace_headlines(text, report_fast.HEADLINE, report_fast.headlines(res))
+    if name in HEADLINES:  # a section whose targets also go into the headline list
+        prefix, lines = HEADLINES[name]
+        text = replace_headlines(text, prefix, lines(res))
     out.write_text(text)
     print(out)
 
