@@ -51,7 +51,9 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    p = config.parallel
+    from loco_megatron.diloco.layout import RANK_ORDER
+
+    p, replicas = config.parallel, config.diloco.diloco_replicas
     minutes = timeout_s / 60.0 if timeout_s else config.train.distributed_timeout_minutes
     if not dist.is_initialized():
         dist.init_process_group(
@@ -64,7 +66,10 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tp,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        # DiLoCo's replicas are megatron's distributed-optimizer instances, data parallelism
+        # outermost so that each is a contiguous block of ranks (loco_megatron.diloco.layout).
+        num_distributed_optimizer_instances=replicas or p.num_distributed_optimizer_instances,
+        **({"order": RANK_ORDER} if replicas > 1 else {}),
     )
     # Same seed on every DP replica (identical init), per-TP-rank streams for TP regions.
     torch.manual_seed(config.train.seed)

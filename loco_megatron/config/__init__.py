@@ -13,8 +13,9 @@ from loco_megatron.config.data import DataConfig
 from loco_megatron.config.optimizer import OptimizerConfig
 from loco_megatron.config.train import TrainConfig
 from loco_megatron.config.loco import LoCoConfig
+from loco_megatron.config.diloco import DiLoCoConfig
 from loco_megatron.config.checkpoint import CheckpointConfig
 from loco_megatron.config.logger import LoggingConfig
 from loco_megatron.config.run import Config
 
-__all__ = ["ALTERNATIVES", "ConfigError", "require", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "LoCoConfig", "CheckpointConfig", "LoggingConfig", "Config"]
+__all__ = ["ALTERNATIVES", "ConfigError", "require", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "LoCoConfig", "DiLoCoConfig", "CheckpointConfig", "LoggingConfig", "Config"]

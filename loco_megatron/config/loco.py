@@ -94,15 +94,21 @@ class LoCoConfig:
                 f"--loco-rotation none)")
 
     def param_gather_options(self) -> dict[str, str]:
-        """Quantiser options of the compressed parameter gather (quantizer, scale, rotation,
-        rounding; seed --loco-quant-seed): the gradients' resolved --loco-quantizer/-scale/
-        -rotation/-rounding when --loco-bits equals --param-gather-bits, else the defaults of
-        that width (LOCO_DEFAULT_OPTIONS: 2 bits uniform/mse/hadamard/nearest; 8 and 4 bits the
-        original symmetric/absmax/none/nearest)."""
-        if self.loco_bits == self.param_gather_bits:
+        """Quantiser options of the compressed parameter gather: :meth:`options_for`
+        ``--param-gather-bits``."""
+        return self.options_for(self.param_gather_bits)
+
+    def options_for(self, bits: int) -> dict[str, str]:
+        """Quantiser options (quantizer, scale, rotation, rounding; seed --loco-quant-seed)
+        of another quantised exchange at ``bits`` (the parameter gather, DiLoCo's outer
+        gradients): the gradients' resolved --loco-quantizer/-scale/-rotation/-rounding when
+        --loco-bits equals ``bits``, else the defaults of that width (LOCO_DEFAULT_OPTIONS:
+        2 bits uniform/mse/hadamard/nearest; 8 and 4 bits the original
+        symmetric/absmax/none/nearest)."""
+        if self.loco_bits == bits:
             return {n: getattr(self, f"loco_{n}") for n in ("quantizer", "scale", "rotation", "rounding")}
         base = {"quantizer": "symmetric", "scale": "absmax", "rotation": "none", "rounding": "nearest"}
-        return {**base, **LOCO_DEFAULT_OPTIONS.get(self.param_gather_bits, {})}
+        return {**base, **LOCO_DEFAULT_OPTIONS.get(bits, {})}
 
     @property
     def enabled(self) -> bool:

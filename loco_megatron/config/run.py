@@ -11,6 +11,7 @@ from loco_megatron.config.data import DataConfig
 from loco_megatron.config.optimizer import OptimizerConfig
 from loco_megatron.config.train import TrainConfig
 from loco_megatron.config.loco import LoCoConfig
+from loco_megatron.config.diloco import DiLoCoConfig
 from loco_megatron.config.checkpoint import CheckpointConfig
 from loco_megatron.config.logger import LoggingConfig
 
@@ -25,6 +26,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     loco: LoCoConfig = dataclasses.field(default_factory=LoCoConfig)
+    diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     command_line: tuple[str, ...] = ()
@@ -77,6 +79,8 @@ class Config:
             require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
         if p.use_megatron_fsdp:
             self._check_fsdp()
+        if self.diloco.enabled:
+            self._check_diloco()
         require(self.checkpoint.ckpt_format != "fsdp_dtensor" or p.use_megatron_fsdp, "ckpt_format",
                  "fsdp_dtensor is Megatron-FSDP's format and needs --use-megatron-fsdp (use torch_dist)")
         decay = self.optimizer.lr_decay_iters or self.train.train_iters
@@ -122,6 +126,22 @@ class Config:
             require(self.parallel.num_distributed_optimizer_instances > 1, "loco_bits",
                      "with --use-megatron-fsdp LoCo compresses HSDP's cross-node replica reduction: give "
                      "--num-distributed-optimizer-instances = number of nodes")
+
+    def _check_diloco(self) -> None:
+        """What --diloco-replicas does not combine with (see docs/diloco.md)."""
+        p, d = self.parallel, self.diloco
+        require(not p.use_megatron_fsdp, "diloco_replicas",
+                "is not supported with --use-megatron-fsdp (its HSDP already uses megatron-core's "
+                "distributed-optimizer instances, which are DiLoCo's replicas here): use the distributed optimizer")
+        require(p.use_distributed_optimizer, "diloco_replicas",
+                "needs --use-distributed-optimizer (the outer step works on its fp32 main-parameter shards)")
+        require(p.num_distributed_optimizer_instances == 1, "num_distributed_optimizer_instances",
+                "must be 1 with --diloco-replicas (the replicas are the distributed-optimizer instances)")
+        bs = self.loco.loco_block_size
+        require(not d.diloco_outer_bits or self.loco.options_for(d.diloco_outer_bits)["rotation"] == "none"
+                or bs & (bs - 1) == 0, "diloco_outer_bits",
+                f"{d.diloco_outer_bits} quantises with the hadamard rotation, which needs a power-of-two "
+                f"--loco-block-size, got {bs}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size of the dense layers for ``world_size`` ranks; raises ConfigError when the

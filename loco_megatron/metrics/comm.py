@@ -20,7 +20,10 @@ from typing import Optional
 import torch
 
 KINDS = ("grad_sync_total", "grad_sync_exposed", "compress", "decompress", "param_gather", "param_compress",
-         "param_decompress")
+         "param_decompress", "outer_time", "outer_exposed")
+"""Interval kinds: ``comm/<kind>_s``. ``outer_time`` / ``outer_exposed``: DiLoCo's outer
+exchanges, end to end (counted at the step that completes them) and the part the training
+loop waited for or spent compressing."""
 
 
 class WallClock:
@@ -72,6 +75,13 @@ class CommStats:
         """Bytes of the parameter all-gathers' gathered buffers (codes + scales, or params)."""
         self.param_bytes_uncompressed = 0
         """What the same gathers cost at the parameter dtype."""
+        self.outer_bytes_sent = 0
+        """DiLoCo: bytes this rank sent to the other replicas (outer exchanges started this step)."""
+        self.outer_bytes_uncompressed = 0
+        """What the same outer exchanges cost as fp32 ring all-reduces."""
+        self.outer_bytes_bf16_every_step = 0
+        """DiLoCo's reference: what a bf16 ring all-reduce of this rank's shard between the
+        replicas would send at this step (every step, without DiLoCo)."""
 
     def add_interval(self, kind: str, start, end) -> None:
         assert kind in KINDS, kind
@@ -90,6 +100,13 @@ class CommStats:
     def add_param_bytes(self, sent: int, uncompressed: int) -> None:
         self.param_bytes_sent += sent
         self.param_bytes_uncompressed += uncompressed
+
+    def add_outer_bytes(self, sent: int, uncompressed: int) -> None:
+        self.outer_bytes_sent += sent
+        self.outer_bytes_uncompressed += uncompressed
+
+    def add_outer_reference(self, bf16_bytes: int) -> None:
+        self.outer_bytes_bf16_every_step += bf16_bytes
 
     def add_param_error(self, sums: torch.Tensor) -> None:
         """float64 ``[3]`` device sums ``(||agreed-main||^2, ||main||^2, non-finite shards)``
@@ -120,6 +137,9 @@ class CommStats:
             "comm/grad_bytes_sent_inter": float(self.grad_bytes_sent_inter),
             "comm/param_bytes_sent": float(self.param_bytes_sent),
             "comm/param_bytes_uncompressed": float(self.param_bytes_uncompressed),
+            "comm/outer_bytes_sent": float(self.outer_bytes_sent),
+            "comm/outer_bytes_uncompressed": float(self.outer_bytes_uncompressed),
+            "comm/outer_bytes_bf16_every_step": float(self.outer_bytes_bf16_every_step),
         })
         sums = self._loco_sums
         self._reset()

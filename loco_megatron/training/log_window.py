@@ -74,6 +74,14 @@ def comm_across_ranks(comm: dict, loco_sums, steps: int, device) -> dict:
     return out
 
 
+def outer_metrics(outer, device) -> dict:
+    """Collective (every rank): ``diloco/outer_steps`` and ``diloco/nonfinite_means`` (outer
+    means replaced by zero since the last window, summed over ranks)."""
+    bad = outer.take_nonfinite().to(device=device, dtype=torch.float64)
+    dist.all_reduce(bad)
+    return {"diloco/outer_steps": float(outer.outer_steps), "diloco/nonfinite_means": bad.item()}
+
+
 def accumulate(window: dict, result, comm: dict, loco_sums) -> None:
     if result.loss is not None and not result.skipped:
         window["loss"] += result.loss
@@ -95,8 +103,9 @@ def accumulate_param(window: dict, comm_stats: CommStats) -> None:
 
 def log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLayout, device,
                 tokens_per_step: int, logger: MetricsLogger, total_iters: int, throughput,
-                gathers_params: bool) -> dict:
-    """Reduce the interval's figures across ranks (only here, not every step) and log."""
+                gathers_params: bool, outer=None) -> dict:
+    """Reduce the interval's figures across ranks (only here, not every step) and log.
+    ``outer``: DiLoCo's outer step (``diloco/`` metrics), None without it."""
     steps = window["steps"]
     counted = max(steps - window["skipped"], 1)
     elapsed = time.perf_counter() - window["t0"]
@@ -121,6 +130,8 @@ def log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLay
         ParamGatherHook.check_finite(sums[2].item(), state.iteration)
         if sums[1] > 0:
             metrics.update(param_metrics(sums))
+    if outer is not None:
+        metrics.update(outer_metrics(outer, device))
     logger.log(state.iteration, metrics, total_iters)
     window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None,
                   param=None, grad_norm=None)

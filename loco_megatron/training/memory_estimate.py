@@ -12,6 +12,10 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
 * LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
   gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
   rank's parameters, plus its send/receive payloads);
+* DiLoCo (--diloco-replicas): the optimizer is sharded over a replica's data-parallel ranks
+  only (DP / R), and the outer step keeps per element of that shard the agreed parameters
+  and momentum (4 + 4 bytes), the outer error buffers and one fragment's outer gradient in
+  flight (:func:`loco_megatron.diloco.memory.outer_memory_bytes`);
 * activations of the micro batches in flight (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", arXiv 2205.05198: per layer and micro batch
   ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with no parallelism; with TP t and sequence
@@ -37,12 +41,13 @@ cross-node reduction compresses the rank's shard only, docs/fsdp.md).
 from __future__ import annotations
 
 from loco_megatron.config import Config
+from loco_megatron.diloco.memory import outer_memory_bytes
 from loco_megatron.training.flops import parameter_count
 
 GIB = 2**30
 DDP_BUCKET = 40_000_000
 """megatron-core's default DDP bucket size (elements), when --ddp-bucket-size is not given."""
-PARTS = ("weights", "grads", "optimizer", "loco_error", "loco_workspace", "activations")
+PARTS = ("weights", "grads", "optimizer", "loco_error", "loco_workspace", "diloco", "activations")
 """The keys of :func:`estimate` that add up to its ``total``."""
 
 
@@ -108,7 +113,8 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     dense_here = (total - experts) / (tp * pp)
     experts_here = experts / (etp * ep * pp)
     here = dense_here + experts_here
-    shard = (dp, expert_dp or 1) if p.use_distributed_optimizer else (1, 1)
+    replicas = config.diloco.diloco_replicas or 1  # DiLoCo: the optimizer shards inside a replica
+    shard = (dp // replicas, (expert_dp or replicas) // replicas) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
     weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)
     block = lc.loco_block_size
@@ -119,6 +125,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
         "optimizer": optimizer_bytes * (dense_here / shard[0] + experts_here / shard[1]),
         "loco_error": here * (1 + 4 / block) if lc.loco_bits else 0,
         "loco_workspace": (2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block)) if lc.loco_bits else 0,
+        "diloco": outer_memory_bytes(config, dense_here / shard[0] + experts_here / shard[1]),
         "activations": _activations(config),
     }
     if p.use_megatron_fsdp:
@@ -134,5 +141,7 @@ def estimate_line(est: dict) -> str:
     g = {k: est[k] / size for k in PARTS + ("total",)}
     return (f"memory per GPU (estimate, first pipeline stage): weights {g['weights']:.1f} {unit}, gradients "
             f"{g['grads']:.1f}, optimizer {g['optimizer']:.1f}, LoCo error + workspace "
-            f"{g['loco_error'] + g['loco_workspace']:.1f}, activations {g['activations']:.1f}; total "
+            f"{g['loco_error'] + g['loco_workspace']:.1f}, "
+            + (f"DiLoCo outer state {g['diloco']:.1f}, " if est["diloco"] else "") +
+            f"activations {g['activations']:.1f}; total "
             f"{g['total']:.1f} {unit} (+5-10% CUDA context and fragmentation)")

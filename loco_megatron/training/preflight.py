@@ -15,6 +15,7 @@ from __future__ import annotations
 import pathlib
 
 from loco_megatron.config import Config, ConfigError
+from loco_megatron.diloco.layout import check_replicas, describe
 from loco_megatron.model import check_transformer_engine, padded_vocab_size
 from loco_megatron.training.memory_estimate import estimate, estimate_line
 from loco_megatron.training.summary import batch_line, layout_line, loco_settings, model_line
@@ -26,7 +27,9 @@ ASSUMED_VOCAB = 32000
 def check_layout(config: Config, world_size: int) -> tuple[int, int]:
     """(dense data-parallel size, expert data-parallel size or 0) for ``world_size`` ranks;
     ConfigError (one line) when megatron-core's layout rules reject it."""
-    return config.data_parallel_size(world_size), config.expert_data_parallel_size(world_size)
+    dims = config.data_parallel_size(world_size), config.expert_data_parallel_size(world_size)
+    check_replicas(config, world_size, None)
+    return dims
 
 
 def check_start(config: Config, world_size: int) -> tuple[int, int]:
@@ -62,6 +65,7 @@ def dry_run(config: Config, world_size: int) -> str:
         layout_line(config, world_size, dp, expert_dp),
         batch_line(config, dp),
         loco_settings(config) if config.loco.enabled else "LoCo: off",
+        *([describe(config, world_size)] if config.diloco.enabled else []),
         estimate_line(estimate(config, world_size, vocab)),
     ]
     if config.model.transformer_impl == "transformer_engine":

@@ -127,7 +127,8 @@ def loco_memory_part(mem: dict) -> str:
 
 
 BYTE_KEYS = ("comm/grad_bytes_sent", "comm/grad_bytes_uncompressed", "comm/param_bytes_sent",
-             "comm/param_bytes_uncompressed")
+             "comm/param_bytes_uncompressed", "comm/outer_bytes_sent", "comm/outer_bytes_uncompressed",
+             "comm/outer_bytes_bf16_every_step")
 """The per-step byte counts of :meth:`loco_megatron.metrics.comm.CommStats.take` summed for the summary."""
 
 
@@ -181,6 +182,20 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def outer_line(s: dict, world_size: int) -> str:
+    """DiLoCo: what crossed between the replicas, against an fp32 all-reduce of the same
+    outer gradients and against a bf16 all-reduce of the gradients between the replicas
+    at every step (half the fp32 bytes of one exchange of the whole model, per step)."""
+    sent, fp32 = s["summary/outer_bytes_sent"], s["summary/outer_bytes_uncompressed"]
+    steps = max(s["summary/iteration"] - s["summary/first_iteration"], 1)
+    every_step = s.get("summary/outer_bytes_bf16_every_step", 0.0)
+    versus = f"; a bf16 all-reduce between the replicas at every step: {_mib(every_step)} (x{sent / every_step:.4f})" \
+        if every_step else ""
+    return (f"  between replicas (DiLoCo outer exchanges): {_mib(sent)}, {_mib(sent / steps)} per step over {steps} "
+            f"steps, instead of {_mib(fp32)} as fp32 all-reduces (x{sent / fp32:.3f}){versus}; all {world_size} "
+            f"ranks together")
+
+
 def end_summary(s: dict, save_root: Optional[pathlib.Path], world_size: int) -> str:
     """The end-of-run block for rank 0's console from :meth:`RunTotals.across_ranks`'s figures."""
     ran = s["summary/iteration"] - s["summary/first_iteration"]
@@ -196,6 +211,8 @@ def end_summary(s: dict, save_root: Optional[pathlib.Path], world_size: int) -> 
         if raw:
             lines.append(f"  {what}: {_mib(sent)} instead of {_mib(raw)} uncompressed "
                          f"(x{sent / raw:.3f}), all {world_size} ranks together")
+    if s.get("summary/outer_bytes_uncompressed"):
+        lines.append(outer_line(s, world_size))
     ckpt = last_checkpoint(save_root)
     lines.append(f"  last checkpoint: {ckpt}" if ckpt else
                  "  last checkpoint: none saved" + ("" if save_root else " (no --save)"))

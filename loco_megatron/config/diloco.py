@@ -1,0 +1,74 @@
+"""DiLoCo settings: replicas that synchronise every H steps (see :mod:`loco_megatron.config`
+and :mod:`loco_megatron.diloco`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from loco_megatron.config.base import check_choices, choice, require
+
+
+@dataclasses.dataclass
+class DiLoCoConfig:
+    diloco_replicas: int = 0
+    """DiLoCo: split the world into this many replicas (0 = off; 1 = one replica whose outer
+    step is a lookahead over its own inner steps). Replica r is ranks
+    r*W/R ... (r+1)*W/R - 1, whole nodes (or whole parts of one node): a complete
+    TP x PP x DP layout that syncs its gradients every step as without DiLoCo (LoCo,
+    two-hop and --param-gather-bits included); the replicas meet only every
+    --diloco-inner-steps steps, in the outer step."""
+    diloco_inner_steps: int = 32
+    """H: inner optimizer steps between two outer steps of the same fragment."""
+    diloco_outer_lr: float = 0.7
+    """Outer learning rate: agreed <- agreed - lr * (Nesterov) update of the mean outer
+    gradient (agreed - local parameters)."""
+    diloco_outer_momentum: float = 0.9
+    """Outer Nesterov momentum (0: plain averaging at --diloco-outer-lr 1)."""
+    diloco_outer_bits: int = choice(4, (0, 8, 4, 2))
+    """Outer-gradient exchange: 0 = fp32 all-reduce (the reference); 8, 4 or 2 = LoCo's
+    block quantiser (--loco-block-size, the quantiser options of that width) with error
+    feedback, an all-to-all summed in fp32 in rank order, the mean re-quantised and
+    all-gathered, so every replica decodes the same bits."""
+    diloco_outer_error_feedback: bool = True
+    """Compensate each outer gradient with the moving average of its past compression
+    errors (int8 storage, --diloco-outer-beta). --no-diloco-outer-error-feedback is the ablation."""
+    diloco_outer_beta: float = 0.8
+    """Moving-average factor of the outer compression error (LoCo's beta)."""
+    diloco_fragments: int = 1
+    """F: Streaming DiLoCo. The transformer layers are split into F fragments of
+    consecutive layers (the embedding with the first, the output layer and final norm with
+    the last); fragment f syncs H/F steps after fragment f-1, so one fragment's exchange
+    is on the wire at a time."""
+    diloco_sync_delay: int = 0
+    """tau: start a fragment's exchange at its sync step and apply it tau inner steps
+    later, overlapped with those steps (Streaming DiLoCo's overlap); at most the gap
+    between two fragments' sync steps."""
+    diloco_mixing_factor: Optional[float] = None
+    """alpha: at apply time, local <- alpha * local + (1 - alpha) * new agreed parameters
+    (the tau steps taken meanwhile keep weight alpha). Default: 0.5 with
+    --diloco-sync-delay > 0, else 0 (the replicas take the agreed parameters)."""
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.diloco_mixing_factor is None:
+            self.diloco_mixing_factor = 0.5 if self.diloco_sync_delay > 0 else 0.0
+        require(self.diloco_replicas >= 0, "diloco_replicas", f"{self.diloco_replicas} is not >= 0")
+        require(self.diloco_inner_steps >= 1, "diloco_inner_steps", f"{self.diloco_inner_steps} is not >= 1")
+        require(self.diloco_outer_lr > 0.0, "diloco_outer_lr", f"{self.diloco_outer_lr} is not > 0")
+        require(0.0 <= self.diloco_outer_momentum < 1.0, "diloco_outer_momentum",
+                f"{self.diloco_outer_momentum} is not in [0, 1)")
+        require(0.0 <= self.diloco_outer_beta < 1.0, "diloco_outer_beta", f"{self.diloco_outer_beta} is not in [0, 1)")
+        require(1 <= self.diloco_fragments <= self.diloco_inner_steps, "diloco_fragments",
+                f"{self.diloco_fragments} is not in 1 ... --diloco-inner-steps ({self.diloco_inner_steps})")
+        gap = self.diloco_inner_steps // self.diloco_fragments
+        require(0 <= self.diloco_sync_delay <= gap and self.diloco_sync_delay < self.diloco_inner_steps,
+                "diloco_sync_delay", f"{self.diloco_sync_delay} is not in 0 ... {min(gap, self.diloco_inner_steps - 1)} "
+                f"(the gap between two fragments' sync steps, --diloco-inner-steps / --diloco-fragments): "
+                "one fragment's exchange at a time")
+        require(0.0 <= self.diloco_mixing_factor < 1.0, "diloco_mixing_factor",
+                f"{self.diloco_mixing_factor} is not in [0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.diloco_replicas > 0

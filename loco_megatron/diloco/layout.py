@@ -1,0 +1,70 @@
+"""DiLoCo's replicas and outer groups on megatron-core's parallel state, and the outer step
+built from the distributed optimizer's shards.
+
+Replicas are megatron-core's *distributed-optimizer instances*: ``initialize_model_parallel(
+num_distributed_optimizer_instances=R)`` splits each data-parallel group into R contiguous
+blocks, builds the intra-instance groups (a replica's own data-parallel ranks) and one
+inter-instance group per position (the R ranks with the same TP, PP, EP and inner-DP
+coordinates: the *outer group*; dense and expert shards share it). The DDP wrapper itself
+is told nothing about instances, so each replica reduce-scatters over its own ranks only,
+exactly as a job of W/R ranks would (the gradient scaling is corrected in
+:func:`loco_megatron.loco.hooks.diloco.scale_replica_gradients`), and the distributed
+optimizer shards over the same ranks. With the rank order ``tp-cp-ep-pp-dp`` (Megatron-LM's
+``--use-tp-pp-dp-mapping``) data parallelism is outermost, so replica ``r`` is the
+contiguous ranks ``r*W/R ... (r+1)*W/R - 1``: whole nodes, its TP, PP and inner-DP traffic
+never leaving them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from loco_megatron.config import Config, ConfigError
+
+RANK_ORDER = "tp-cp-ep-pp-dp"
+"""megatron-core's rank order under DiLoCo: data parallelism outermost (replicas contiguous)."""
+
+
+def check_replicas(config: Config, world_size: int, ranks_per_node: Optional[int]) -> None:
+    """ConfigError (one line) unless ``world_size`` ranks split into --diloco-replicas
+    replicas of the configured layout, each whole nodes of ``ranks_per_node`` ranks (or a
+    whole share of one node)."""
+    r = config.diloco.diloco_replicas
+    if not r:
+        return
+    if world_size % r:
+        raise ConfigError(f"--diloco-replicas: {r} does not divide the world size {world_size}")
+    dp = config.data_parallel_size(world_size)
+    if dp % r:
+        raise ConfigError(f"--diloco-replicas: {r} does not divide the data-parallel size {dp} "
+                          f"({world_size} ranks / TP x PP x CP): each replica is a whole TP x PP x DP layout")
+    edp = config.expert_data_parallel_size(world_size)
+    if edp and edp % r:
+        raise ConfigError(f"--diloco-replicas: {r} does not divide the expert data-parallel size {edp}")
+    if edp and config.parallel.pipeline_model_parallel_size > 1 and edp != dp:
+        raise ConfigError(f"--diloco-replicas with --pipeline-model-parallel-size > 1 and experts needs the expert "
+                          f"data-parallel size ({edp}) to equal the dense one ({dp}): megatron-core's rank order "
+                          f"{RANK_ORDER} (replicas of whole nodes) requires it; use ETP x EP = TP")
+    size = world_size // r
+    if ranks_per_node and size % ranks_per_node and ranks_per_node % size:
+        raise ConfigError(f"--diloco-replicas: replicas of {size} ranks would split nodes of {ranks_per_node} "
+                          f"ranks (--loco-ranks-per-node / torchrun's --nproc-per-node): a replica must be whole "
+                          f"nodes or a whole share of one")
+
+
+def describe(config: Config, world_size: int) -> str:
+    """One start-up line: the replica layout and the outer step's settings."""
+    d = config.diloco
+    r = d.diloco_replicas
+    size = world_size // r
+    inner_dp = config.data_parallel_size(world_size) // r
+    p = config.parallel
+    bits = (f"{d.diloco_outer_bits}-bit {'/'.join(config.loco.options_for(d.diloco_outer_bits).values())}"
+            f"{', error feedback' if d.diloco_outer_error_feedback else ', no error feedback'}"
+            if d.diloco_outer_bits else "fp32 all-reduce")
+    stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
+              if d.diloco_fragments > 1 or d.diloco_sync_delay else "")
+    return (f"DiLoCo: {r} replicas of {size} ranks (TP {p.tensor_model_parallel_size} x PP "
+            f"{p.pipeline_model_parallel_size} x DP {inner_dp}; replica 0 = ranks 0-{size - 1}); outer step every "
+            f"{d.diloco_inner_steps} steps{stream}: Nesterov lr {d.diloco_outer_lr} momentum "
+            f"{d.diloco_outer_momentum}, exchange {bits}")

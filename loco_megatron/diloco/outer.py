@@ -1,0 +1,219 @@
+"""The outer step's state and per-step driver (see :mod:`loco_megatron.diloco`).
+
+:class:`OuterStep` keeps, per channel (one sub-optimizer's shard of one fragment, fp32
+``[N]``): the agreed parameters, the outer momentum, the two error buffers of its
+:class:`~.exchange.OuterChannel` and an exchange possibly in flight. The trainer calls
+:meth:`OuterStep.after_step` after every inner step; at the iterations the
+:class:`~.schedule.FragmentSchedule` names it runs, in this order and the same on every
+rank: the second phase of exchanges started one step earlier (``tau >= 2``), then, inside
+megatron's optimizer step (``run_step``, :func:`loco_megatron.loco.hooks.diloco.run_in_optimizer_step`),
+per sub-optimizer: the exchanges due to be applied, then the ones due to start (with
+``tau = 0`` started, finished and applied at once).
+
+A mean that is not finite (a replica's parameters overflowed) is replaced by zero on the
+device (no host sync): the agreed parameters then move by momentum only and no NaN
+reaches another replica; :attr:`nonfinite` counts such channels for the metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from loco_megatron.diloco.exchange import OuterChannel, OuterWork
+from loco_megatron.diloco.outer_math import mix_into, nesterov_step, outer_gradient
+from loco_megatron.diloco.schedule import FragmentSchedule
+
+
+class ShardViews:
+    """One channel's parameters: the 1-D fp32 main views of a sub-optimizer's shards that
+    belong to one fragment, laid end to end as a flat ``[numel]`` shard."""
+
+    def __init__(self, views: list[torch.Tensor]):
+        self.views = views
+        self.offsets = []
+        at = 0
+        for v in views:
+            self.offsets.append(at)
+            at += v.numel()
+        self.numel = at
+
+    def _pairs(self, flat: torch.Tensor):
+        for v, o in zip(self.views, self.offsets):
+            yield v, flat[o:o + v.numel()]
+
+    def read(self, out: torch.Tensor) -> None:
+        """``out`` <- the local (main) parameters."""
+        for v, part in self._pairs(out):
+            part.copy_(v)
+
+    def outer_gradient(self, agreed: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` <- agreed - local."""
+        for (v, a), (_, o) in zip(self._pairs(agreed), self._pairs(out)):
+            outer_gradient(a, v, o)
+
+    def take(self, agreed: torch.Tensor, alpha: float) -> None:
+        """local <- alpha * local + (1 - alpha) * agreed (see :func:`.outer_math.mix_into`)."""
+        for v, part in self._pairs(agreed):
+            mix_into(v, part, alpha)
+
+
+class OuterStep:
+    """DiLoCo's outer optimizer over this rank's channels.
+
+    ``channels``: key -> (:class:`ShardViews`, :class:`~.exchange.OuterChannel`, sub-optimizer
+    index, fragment index), in the order every rank of an outer group builds them.
+    ``run_step(update)``: runs ``update(sub_optimizer_index)`` inside megatron's optimizer
+    step (every rank, same iterations). ``record(work)``: the exchange's figures for the
+    metrics, once it completed; ``record_start(work)`` its bytes, at launch; ``every_step()``
+    is called after every step (the metrics' every-step reference). ``log``: one line
+    (rank 0 prints)."""
+
+    def __init__(self, channels: dict, schedule: FragmentSchedule, lr: float, momentum: float, alpha: float,
+                 run_step: Callable[[Callable[[int], None]], None], record: Callable[[OuterWork], None],
+                 record_start: Callable[[OuterWork], None], every_step: Callable[[], None],
+                 log: Callable[[str], None]):
+        self.channels, self.schedule = channels, schedule
+        self.lr, self.mu, self.alpha = lr, momentum, alpha
+        self._run_step, self._record, self._record_start, self._log = run_step, record, record_start, log
+        self._every_step = every_step
+        self.agreed = {key: torch.empty(views.numel, dtype=torch.float32, device=views.views[0].device)
+                       for key, (views, *_rest) in channels.items()}
+        for key, (views, *_rest) in channels.items():
+            views.read(self.agreed[key])  # every replica starts from the same (seeded) weights
+        self.momentum = {key: torch.zeros_like(a) if momentum else None for key, a in self.agreed.items()}
+        self.pending: dict[str, tuple[int, OuterWork | torch.Tensor]] = {}
+        """key -> (start iteration, the exchange in flight, or its mean once settled or loaded)."""
+        self.nonfinite = torch.zeros((), dtype=torch.float32,
+                                     device=next(iter(self.agreed.values())).device if self.agreed else "cpu")
+        """Channels whose mean was not finite (zeroed), since the last :meth:`take_nonfinite`."""
+        self.outer_steps = 0
+        """Outer updates applied (all channels of one iteration count once)."""
+
+    # -- the per-step driver -------------------------------------------------------------
+    def _keys(self, fragments: list[int], sub: Optional[int] = None) -> list[str]:
+        return [k for k, (_, _, s, f) in self.channels.items() if f in fragments and (sub is None or s == sub)]
+
+    def after_step(self, t: int) -> None:
+        """Everything the schedule puts after the inner step of iteration ``t``."""
+        sched = self.schedule
+        self._every_step()
+        if sched.delay >= 2:
+            for key in self._keys(sched.second_phase(t)):
+                work = self.pending[key][1]
+                if isinstance(work, OuterWork):
+                    work.second_phase()
+        applies = sched.applies(t) if sched.delay else []
+        starts = sched.starts(t)
+        if not (applies or starts):
+            return
+
+        def update(sub: int) -> None:
+            for key in self._keys(applies, sub):
+                self._apply(key)
+            for key in self._keys(starts, sub):
+                self._start(key, t)
+                if not sched.delay:
+                    self._apply(key)
+
+        self._run_step(update)
+        self.outer_steps += bool(applies or not sched.delay)
+
+    def _start(self, key: str, t: int) -> None:
+        views, channel, _, _ = self.channels[key]
+        delta = torch.empty(views.numel, dtype=torch.float32, device=self.agreed[key].device)
+        views.outer_gradient(self.agreed[key], delta)
+        work = channel.start(delta)
+        self._record_start(work)
+        self.pending[key] = (t, work)
+
+    def _apply(self, key: str) -> None:
+        _, work = self.pending.pop(key)
+        if isinstance(work, OuterWork):
+            work.wait()
+            self._record(work)
+            mean, finite = work.delta, work.finite
+        else:  # settled before a checkpoint, or loaded from one
+            mean, finite = work, torch.isfinite(work).all()
+        torch.where(finite, mean, torch.zeros((), device=mean.device), out=mean)
+        self.nonfinite += (~finite).float()
+        nesterov_step(self.agreed[key], self.momentum[key], mean, self.lr, self.mu)
+        self.channels[key][0].take(self.agreed[key], self.alpha)
+
+    def settle(self) -> None:
+        """Finish every exchange in flight (both phases; not applied): before a checkpoint,
+        so the saved state holds their means. Every rank calls it at the same iteration."""
+        for key, (t, work) in list(self.pending.items()):
+            if isinstance(work, OuterWork):
+                work.wait()
+                self._record(work)
+                self.pending[key] = (t, work.delta)
+
+    def take_nonfinite(self) -> torch.Tensor:
+        out, self.nonfinite = self.nonfinite, torch.zeros_like(self.nonfinite)
+        return out
+
+    # -- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        assert all(not isinstance(w, OuterWork) for _, w in self.pending.values()), "settle() before saving"
+        return {"schedule": [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay],
+                "outer_steps": self.outer_steps,
+                "channels": {key: {"agreed": self.agreed[key].clone(),
+                                   "momentum": None if self.momentum[key] is None else self.momentum[key].clone(),
+                                   "exchange": ch.state_dict()}
+                             for key, (_, ch, _, _) in self.channels.items()},
+                "pending": {key: {"start": t, "mean": mean.clone()} for key, (t, mean) in self.pending.items()}}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """Restore the agreed parameters, momentum, error buffers and exchanges in flight.
+        What does not fit this run starts afresh, with one line saying what and why: other
+        channels (another --diloco-fragments or layout) -> everything; another momentum
+        setting -> the momentum; another outer width or shard -> the error buffers; another
+        schedule -> the exchanges in flight are dropped."""
+        if sd is None:
+            return self._agree_on_loaded("the checkpoint holds no outer state (written without --diloco-replicas, "
+                                         "or under another layout)")
+        saved = sd["channels"]
+        if set(saved) != set(self.channels) or any(saved[k]["agreed"].numel() != self.agreed[k].numel()
+                                                   for k in saved):
+            return self._agree_on_loaded("the checkpoint's outer state does not fit this run (other fragments "
+                                         "or shards)")
+        self.outer_steps = int(sd.get("outer_steps", 0))
+        notes = []
+        for key, entry in saved.items():
+            self.agreed[key].copy_(entry["agreed"])
+            if self.momentum[key] is not None:
+                if entry["momentum"] is None:
+                    self.momentum[key].zero_()
+                    notes.append("the outer momentum starts at zero (saved without momentum)")
+                else:
+                    self.momentum[key].copy_(entry["momentum"])
+            try:
+                self.channels[key][1].load_state_dict(entry["exchange"])
+            except ValueError as e:
+                self.channels[key][1].reset()
+                notes.append(f"the outer error buffers start at zero ({e})")
+        if list(sd["schedule"]) == [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]:
+            self.pending = {key: (int(p["start"]), p["mean"].to(self.agreed[key].device))
+                            for key, p in sd["pending"].items()}
+        elif sd["pending"]:
+            notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped (the schedule "
+                         f"H, F, tau changed from {tuple(sd['schedule'])})")
+        for note in dict.fromkeys(notes):
+            self._log(f"DiLoCo: {note}")
+
+    def _agree_on_loaded(self, why: str) -> None:
+        """Outer state afresh from the loaded model: the agreed parameters are the first
+        replica's loaded ones (broadcast over each outer group, so the replicas agree even
+        when their loaded weights differ), momentum and errors zero, nothing in flight."""
+        import torch.distributed as dist
+
+        for key, (views, channel, _, _) in self.channels.items():
+            views.read(self.agreed[key])
+            dist.broadcast(self.agreed[key], src=dist.get_global_rank(channel.group, 0), group=channel.group)
+            if self.momentum[key] is not None:
+                self.momentum[key].zero_()
+            channel.reset()
+        self.pending = {}
+        self._log(f"DiLoCo: {why}; the outer step starts afresh from the first replica's loaded parameters")

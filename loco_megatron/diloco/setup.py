@@ -1,0 +1,87 @@
+"""The outer step built from the distributed optimizer's shards, over megatron-core's
+inter-instance groups (see :mod:`.layout` for the replicas)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from loco_megatron.config import Config
+from loco_megatron.diloco.exchange import OuterChannel
+from loco_megatron.diloco.fragments import fragment_of
+from loco_megatron.diloco.outer import OuterStep, ShardViews
+from loco_megatron.diloco.schedule import FragmentSchedule
+from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
+from loco_megatron.loco.quantize import QuantOptions
+from loco_megatron.loco.workspace import Workspace
+from loco_megatron.metrics.comm import CommStats
+
+
+def outer_group(replicas: int):
+    """This rank's outer group: megatron's inter-instance group, or (one replica) a group of
+    this rank alone (made locally: no other rank takes part)."""
+    if replicas == 1:
+        return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    from megatron.core import parallel_state as ps
+
+    return ps.get_inter_distributed_optimizer_instance_group()
+
+
+def _layer_numbers(chunks: list) -> dict[int, int]:
+    """id(param) -> global 1-based layer number, for every transformer-layer parameter."""
+    out = {}
+    for chunk in chunks:
+        decoder = getattr(chunk.module, "decoder", None)
+        for layer in (decoder.layers if decoder is not None else ()):
+            for p in layer.parameters():
+                out[id(p)] = layer.layer_number
+    return out
+
+
+def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, log: Callable[[str], None],
+                     ops: CollectiveOps = TORCH_OPS) -> Optional[OuterStep]:
+    """The outer step of this rank (None without --diloco-replicas). Corrects megatron's
+    gradient scaling for replicas. Collective (creates the one-replica group)."""
+    d, lc = config.diloco, config.loco
+    if not d.enabled:
+        return None
+    from loco_megatron.loco.hooks.diloco import main_shards, run_in_optimizer_step, scale_replica_gradients
+
+    scale_replica_gradients(chunks, d.diloco_replicas)
+    group = outer_group(d.diloco_replicas)
+    names = {id(p): name for chunk in chunks for name, p in chunk.module.named_parameters()}
+    layers = _layer_numbers(chunks)
+    kernels = lc.loco_kernels if lc.loco_kernels != "auto" else "torch"
+    options = QuantOptions(**lc.options_for(d.diloco_outer_bits), seed=lc.loco_quant_seed)
+    workspace = Workspace()
+    channels = {}
+    for i, pairs in enumerate(main_shards(optimizer)):
+        per_fragment: dict[int, list] = {}
+        for param, view in pairs:
+            f = fragment_of(names[id(param)], layers.get(id(param)), getattr(param, "shared_embedding", False),
+                            config.model.num_layers, d.diloco_fragments)
+            per_fragment.setdefault(f, []).append(view)
+        for f in sorted(per_fragment):
+            views = ShardViews(per_fragment[f])
+            key = f"opt{i}.fragment{f}"
+            channel = OuterChannel(views.numel, group, d.diloco_outer_bits, lc.loco_block_size, options,
+                                   d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, views.views[0].device,
+                                   name=key, ops=ops, workspace=workspace, clock=stats.clock)
+            channels[key] = (views, channel, i, f)
+
+    def record(work) -> None:
+        stats.add_interval("outer_time", work.launch_mark, work.done_mark)
+        for start, end in work.exposed_marks:
+            stats.add_interval("outer_exposed", start, end)
+        work.exposed_marks = []
+
+    def record_start(work) -> None:
+        stats.add_outer_bytes(work.bytes_sent, work.c.uncompressed_bytes())
+
+    # Without DiLoCo the replicas would all-reduce every step: bf16, half the fp32 ring's bytes.
+    every_step = sum(ch.uncompressed_bytes() for _, ch, _, _ in channels.values()) // 2
+    return OuterStep(channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay),
+                     d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_mixing_factor,
+                     lambda update: run_in_optimizer_step(optimizer, update), record, record_start,
+                     lambda: stats.add_outer_reference(every_step), log)

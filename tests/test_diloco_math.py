@@ -1,0 +1,130 @@
+"""DiLoCo's pure parts in one process: the outer maths, the fragment schedule, the
+fragment of each parameter, the outer-state memory formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loco_megatron.config import Config, ConfigError, DiLoCoConfig
+from loco_megatron.diloco.fragments import fragment_of
+from loco_megatron.diloco.memory import outer_memory_bytes
+from loco_megatron.diloco.outer_math import mix_into, nesterov_step, outer_gradient
+from loco_megatron.diloco.schedule import FragmentSchedule
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.9])
+def test_nesterov_step_matches_torch_sgd(mu):
+    """Guards against an outer optimizer that is not the Nesterov SGD DiLoCo specifies
+    (wrong sign, momentum applied after the update, the plain-momentum variant, the
+    momentum buffer not carried across steps): five steps equal torch.optim.SGD(nesterov)
+    on the same pseudo-gradients, bit for bit."""
+    torch.manual_seed(0)
+    agreed = torch.randn(1000)
+    ref = torch.nn.Parameter(agreed.clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=mu, nesterov=mu > 0)
+    momentum = torch.zeros(1000) if mu else None
+    for _ in range(5):
+        g = torch.randn(1000)
+        ref.grad = g.clone()
+        opt.step()
+        nesterov_step(agreed, momentum, g.clone(), 0.7, mu)
+        assert torch.equal(agreed, ref.detach())
+
+
+def test_outer_gradient_and_mix():
+    """Guards against the pseudo-gradient's sign (local - agreed would make the outer step
+    climb) and a mixing factor applied the wrong way round: lr 1 without momentum takes the
+    replica exactly to its local parameters; alpha 0 copies the agreed parameters exactly,
+    alpha 0.5 lands half way."""
+    torch.manual_seed(1)
+    agreed, local = torch.randn(300), torch.randn(300)
+    delta = torch.empty(300)
+    outer_gradient(agreed, local, delta)
+    new = agreed.clone()
+    nesterov_step(new, None, delta.clone(), 1.0, 0.0)
+    assert torch.allclose(new, local, atol=1e-6, rtol=0)
+    x = local.clone()
+    mix_into(x, agreed, 0.0)
+    assert torch.equal(x, agreed)
+    x = local.clone()
+    mix_into(x, agreed, 0.5)
+    assert torch.allclose(x, (local + agreed) / 2)
+
+
+def test_schedule_one_fragment():
+    """Guards against the outer step firing at step 0, missing a multiple of H, or a delay
+    that applies before it started: F=1 syncs at H, 2H, ...; with tau=0 applies there too,
+    with tau=2 two steps later, its second phase one step after the start."""
+    s = FragmentSchedule(4)
+    assert [t for t in range(1, 13) if s.starts(t)] == [4, 8, 12]
+    assert all(s.applies(t) == s.starts(t) for t in range(13))  # tau = 0: applied where it starts
+    s = FragmentSchedule(4, 1, 2)
+    assert [t for t in range(1, 13) if s.applies(t)] == [6, 10]
+    assert [t for t in range(1, 13) if s.second_phase(t)] == [5, 9]
+    assert s.in_flight(5) == [(0, 4)] and s.in_flight(6) == []
+
+
+def test_schedule_streaming_staggers_one_fragment_at_a_time():
+    """Guards against fragments that sync at the same step (the bursts Streaming DiLoCo
+    spreads out), a fragment synced more or less often than every H steps, or two
+    exchanges in flight at once: F=4, H=32, tau=8 (the gap) over 256 steps."""
+    s = FragmentSchedule(32, 4, 8)
+    starts = {f: [t for t in range(1, 257) if f in s.starts(t)] for f in range(4)}
+    assert starts[0][:2] == [8, 40] and starts[3][:2] == [32, 64]
+    for f, ts in starts.items():
+        assert all(b - a == 32 for a, b in zip(ts, ts[1:])), f
+    assert all(len(s.starts(t)) <= 1 for t in range(257))
+    assert all(len(s.in_flight(t)) <= 1 for t in range(257))
+    for f in range(4):
+        assert [t for t in range(1, 257) if f in s.applies(t)] == [t + 8 for t in starts[f] if t + 8 <= 256]
+
+
+def test_fragment_of():
+    """Guards against layers assigned out of order, the embedding or head in the wrong
+    fragment, or a tied output layer (another pipeline stage's copy of the embedding)
+    syncing with the last fragment: the two copies would then drift apart."""
+    frag = lambda name, layer=None, shared=False: fragment_of(name, layer, shared, 8, 4)  # noqa: E731
+    assert frag("embedding.word_embeddings.weight") == 0
+    assert [frag("decoder.layers.x.mlp.linear_fc1.weight", layer) for layer in range(1, 9)] == [0, 0, 1, 1, 2, 2,
+                                                                                                  3, 3]
+    assert frag("decoder.final_layernorm.weight") == 3
+    assert frag("output_layer.weight") == 3
+    assert frag("output_layer.weight", shared=True) == 0
+    with pytest.raises(ValueError):
+        frag("decoder.layers.9.x", 9)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"diloco_sync_delay": 9, "diloco_inner_steps": 32, "diloco_fragments": 4}, "--diloco-sync-delay: 9"),
+    ({"diloco_fragments": 5, "diloco_inner_steps": 4}, "--diloco-fragments: 5"),
+    ({"diloco_outer_bits": 3}, "--diloco-outer-bits: 3 is not one of"),
+    ({"diloco_outer_momentum": 1.0}, "--diloco-outer-momentum"),
+    ({"diloco_mixing_factor": 1.0, "diloco_sync_delay": 1}, "--diloco-mixing-factor"),
+])
+def test_bad_diloco_values_name_the_flag(flags, message):
+    """Guards against a bad DiLoCo value crashing later (or silently running) instead of a
+    one-line error that names its flag."""
+    with pytest.raises(ConfigError, match=message):
+        DiLoCoConfig(diloco_replicas=2, **flags)
+
+
+def test_diloco_refuses_what_it_cannot_run():
+    """Guards against DiLoCo starting under Megatron-FSDP or without the distributed
+    optimizer (its outer step works on the distributed optimizer's shards)."""
+    from loco_megatron.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="--diloco-replicas: needs --use-distributed-optimizer"):
+        Config(parallel=ParallelConfig(use_distributed_optimizer=False), diloco=DiLoCoConfig(diloco_replicas=2))
+    with pytest.raises(ConfigError, match="--diloco-replicas: is not supported with --use-megatron-fsdp"):
+        Config(parallel=ParallelConfig(use_megatron_fsdp=True), diloco=DiLoCoConfig(diloco_replicas=2))
+
+
+def test_outer_memory_formula():
+    """Guards against a dry-run memory estimate that leaves out the outer state or counts
+    it without the optimizer's sharding: 4 B agreed + 4 B momentum + 4/F B in flight + the
+    two int8 error buffers per element of the rank's shard; nothing without DiLoCo."""
+    cfg = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4))
+    per = 4 + 4 + 1 + (1 + 4 / 256) * 1.5
+    assert outer_memory_bytes(cfg, 1000) == pytest.approx(per * 1000)
+    assert outer_memory_bytes(Config(), 1000) == 0
