@@ -28,10 +28,12 @@ from loco_megatron.diloco.schedule import FragmentSchedule
 
 class ShardViews:
     """One channel's parameters: the 1-D fp32 main views of a sub-optimizer's shards that
-    belong to one fragment, laid end to end as a flat ``[numel]`` shard."""
+    belong to one fragment, laid end to end as a flat ``[numel]`` shard. ``slices``
+    (optional, for checkpoints in model space): per view, ``(model param, start, end)``,
+    the elements of the flattened local parameter it holds."""
 
-    def __init__(self, views: list[torch.Tensor]):
-        self.views = views
+    def __init__(self, views: list[torch.Tensor], slices: Optional[list[tuple]] = None):
+        self.views, self.slices = views, slices
         self.offsets = []
         at = 0
         for v in views:

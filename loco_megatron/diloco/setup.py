@@ -58,12 +58,12 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     channels = {}
     for i, pairs in enumerate(main_shards(optimizer)):
         per_fragment: dict[int, list] = {}
-        for param, view in pairs:
+        for param, start, end, view in pairs:
             f = fragment_of(names[id(param)], layers.get(id(param)), getattr(param, "shared_embedding", False),
                             config.model.num_layers, d.diloco_fragments)
-            per_fragment.setdefault(f, []).append(view)
+            per_fragment.setdefault(f, []).append((view, (param, start, end)))
         for f in sorted(per_fragment):
-            views = ShardViews(per_fragment[f])
+            views = ShardViews([v for v, _ in per_fragment[f]], [s for _, s in per_fragment[f]])
             key = f"opt{i}.fragment{f}"
             channel = OuterChannel(views.numel, group, d.diloco_outer_bits, lc.loco_block_size, options,
                                    d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, views.views[0].device,

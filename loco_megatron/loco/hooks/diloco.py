@@ -37,10 +37,11 @@ def scale_replica_gradients(ddp_models: list, replicas: int) -> None:
                 bucket.gradient_scaling_factor *= replicas
 
 
-def main_shards(optimizer) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]]:
-    """Per sub-optimizer (dense first, then expert), ``[(model param, main view)]`` for every
-    parameter this rank holds a shard of: ``main view`` is the fp32 1-D main parameter the
-    distributed optimizer steps (for fp32 models a view of the model's own buffer). A stub
+def main_shards(optimizer) -> list[list[tuple[torch.nn.Parameter, int, int, torch.Tensor]]]:
+    """Per sub-optimizer (dense first, then expert), ``[(model param, start, end, main view)]``
+    for every parameter this rank holds a shard of: ``main view`` is the fp32 1-D main
+    parameter the distributed optimizer steps (for fp32 models a view of the model's own
+    buffer), elements ``[start, end)`` of the flattened local (TP/PP/EP) parameter. A stub
     optimizer (no parameters on this rank) gives an empty list."""
     check_megatron_core_version()
     out = []
@@ -50,9 +51,10 @@ def main_shards(optimizer) -> list[list[tuple[torch.nn.Parameter, torch.Tensor]]
             for gbuf_range_maps in opt.gbuf_ranges:
                 for per_bucket in gbuf_range_maps.values():
                     for gbuf_range_map in per_bucket:
-                        for param in gbuf_range_map["param_map"]:
+                        for param, ranges in gbuf_range_map["param_map"].items():
                             group, order = opt.model_param_group_index_map[param]
-                            pairs.append((param, opt.optimizer.param_groups[group]["params"][order].detach().view(-1)))
+                            main = opt.optimizer.param_groups[group]["params"][order].detach().view(-1)
+                            pairs.append((param, ranges["param"].start, ranges["param"].end, main))
         out.append(pairs)
     return out
 
