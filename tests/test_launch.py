@@ -65,7 +65,8 @@ def test_template_checks_data_runs_setup_on_every_node_and_passes_cpus(tmp_path)
     large config submitted without DATA_PATH/TOKENIZER (it trained a 1.3B model on the
     built-in corpus) must stop at once with one line; SETUP (environment activation) must
     run on every node before python starts; srun must get --cpus-per-task (Slurm 22.05+
-    does not pass it down) and --label."""
+    does not pass it down) and --label; DILOCO_REPLICAS must reach every node as
+    --diloco-replicas, and a count that does not divide the nodes must stop at once."""
     bin_dir = _shims(tmp_path)
     srun_log, py_log = tmp_path / "srun.log", tmp_path / "python.log"
     # srun shim: log the flags it was given, then run the command once per fake node.
@@ -98,6 +99,18 @@ def test_template_checks_data_runs_setup_on_every_node_and_passes_cpus(tmp_path)
     assert [c.split(":")[0] for c in calls] == ["node 0", "node 1"]
     assert all("tools/launch.py exec --config configs/gpt_1.3b.yaml" in c
                and "-- --data-path data/corpus --tokenizer-model data/tok.model --loco-bits 4" in c for c in calls)
+
+    py_log.unlink()
+    bad = subprocess.run(["bash", "tools/slurm/pretrain_gpt.sbatch"], cwd=REPO, env=dict(env, DILOCO_REPLICAS="3"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and not py_log.exists()
+    assert bad.stderr.strip().splitlines() == [
+        "error: DILOCO_REPLICAS=3 does not divide the job's 2 nodes (replicas are whole nodes)"]
+    job = subprocess.run(["bash", "tools/slurm/pretrain_gpt.sbatch"], cwd=REPO, env=dict(env, DILOCO_REPLICAS="2"),
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, job.stdout + job.stderr
+    calls = py_log.read_text().splitlines()
+    assert len(calls) == 2 and all("-- --diloco-replicas 2 --data-path data/corpus" in c for c in calls), calls
 
 
 def _free_job_id() -> str:

@@ -13,10 +13,26 @@ __all__ = ["describe", "variant"]
 
 
 def describe(config: dict) -> str:
-    """Human label of a run's gradient sync (and compressed parameter gather)."""
+    """Human label of a run's gradient sync (and compressed parameter gather, and DiLoCo)."""
     label = _describe_grads(config)
     pbits = config.get("param_gather_bits", 0)
-    return f"{label} + params {pbits}-bit" if pbits else label
+    label = f"{label} + params {pbits}-bit" if pbits else label
+    return label + _describe_diloco(config)
+
+
+def _describe_diloco(config: dict) -> str:
+    """`` + DiLoCo 2x H32 outer LoCo 4-bit`` (F, tau, alpha and the ablations where set), or ""."""
+    replicas = config.get("diloco_replicas", 0)
+    if not replicas:
+        return ""
+    bits = config.get("diloco_outer_bits", 0)
+    outer = "fp32" if not bits else (f"{bits}-bit, no error feedback" if config.get("diloco_outer_error_feedback")
+                                     is False else f"LoCo {bits}-bit")
+    label = f" + DiLoCo {replicas}x H{config.get('diloco_inner_steps')}"
+    fragments, tau = config.get("diloco_fragments", 1), config.get("diloco_sync_delay", 0)
+    if fragments > 1 or tau:
+        label += f" F{fragments} tau{tau} alpha{config.get('diloco_mixing_factor')}"
+    return f"{label} outer {outer}"
 
 
 def _describe_grads(config: dict) -> str:
@@ -44,4 +60,8 @@ def variant(config: dict) -> str:
     pbits = config.get("param_gather_bits", 0)
     if pbits:
         label += f" + params {pbits}-bit"
+    label += _describe_diloco(config)
+    if config.get("diloco_replicas") and (config.get("diloco_outer_lr", 0.7), config.get("diloco_outer_momentum", 0.9)) \
+            != (0.7, 0.9):
+        label += f" (lr {config.get('diloco_outer_lr')}, momentum {config.get('diloco_outer_momentum')})"
     return f"{label} | {'bf16' if config.get('bf16') else 'fp32'}"

@@ -58,14 +58,17 @@ class StopRequest:
                        flush=True)
             self.stop_file.unlink(missing_ok=True)
 
-    def agreed(self, device: torch.device) -> Optional[str]:
-        """Collective (every rank, every step): the reason to stop now, or None."""
+    def agreed(self, device: torch.device, skipped: bool = False) -> tuple[Optional[str], bool]:
+        """Collective (every rank, every step): the reason to stop now (or None), and whether
+        any rank's optimizer skipped this step (``skipped``: this rank's; under DiLoCo each
+        replica decides its own, and the skip guard must end every rank's run together)."""
         file_seen = bool(self.is_rank0 and self.stop_file and self.stop_file.exists())
-        flags = torch.tensor([float(self.signum), float(file_seen)], device=device)
+        flags = torch.tensor([float(self.signum), float(file_seen), float(skipped)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signum, file_flag = (int(v) for v in flags.tolist())
+        signum, file_flag, skipped_any = (int(v) for v in flags.tolist())
         if not (signum or file_flag):
-            return None
+            return None, bool(skipped_any)
         if file_seen:
             self.stop_file.unlink(missing_ok=True)  # honoured: must not stop the next run too
-        return f"{signal.Signals(signum).name} received" if signum else f"stop file {self.stop_file}"
+        return (f"{signal.Signals(signum).name} received" if signum else f"stop file {self.stop_file}",
+                bool(skipped_any))

@@ -51,8 +51,10 @@ def layout_line(config: Config, world_size: int, dp: int, expert_dp: int) -> str
         n = p.num_distributed_optimizer_instances
         grids += (f"; Megatron-FSDP {p.data_parallel_sharding_strategy} over {dp // n} ranks"
                   + (f", replicated x{n} (HSDP)" if n > 1 else ""))
+    replicas = config.diloco.diloco_replicas
+    dp_part = f"DP {dp}" + (f" ({replicas} DiLoCo replicas x DP {dp // replicas})" if replicas > 1 else "")
     return (f"layout: world {world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
-            f"x DP {dp} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){grids}, "
+            f"x {dp_part} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){grids}, "
             f"sequence parallel {'on' if p.sequence_parallel else 'off'}, "
             f"recompute {m.recompute_granularity or 'none'}, {m.transformer_impl} layers")
 

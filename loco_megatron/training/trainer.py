@@ -293,14 +293,17 @@ def _loop(run: _Run) -> dict:
             totals.add_step(comm)
             accumulate(window, result, comm, loco_sums)
             accumulate_param(window, run.comm_stats)
-            last = _log_eval_save(run, window, totals, last, tokens_per_step, result.skipped)
-            reason = stop.agreed(device)
+            # The stop decision and the skip guard's input, agreed in one tiny all-reduce.
+            reason, skipped = stop.agreed(device, result.skipped)
+            last = _log_eval_save(run, window, totals, last, tokens_per_step, skipped)
             if reason:
                 if layout.is_logging_rank:
                     what = "saving at" if ckpt.save_root else "no --save, nothing saved; stopping at"
                     print(f"stop requested ({reason}): {what} iteration {state.iteration}", flush=True)
                 _print_rank0(layout, ckpt.finish_in_flight(agreed=True))  # every rank agreed to stop here
                 break
+        if run.outer is not None:  # no outer exchange outlives the run (a save also settles them)
+            run.outer.settle()
         if ckpt.save_root and not _save_due(config, state.iteration):
             _save(run, window)
         ckpt.wait()  # the last (or stop-requested) save is committed before exit

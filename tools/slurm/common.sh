@@ -11,6 +11,8 @@
 #   DATA_PATH  indexed dataset prefix (tools/preprocess_data.py --output-prefix) and
 #   TOKENIZER  its tokenizer model: required unless the config is a tiny_* one or sets
 #              data-path itself (else a 1.3B model would train on the built-in corpus)
+#   DILOCO_REPLICAS  DiLoCo: split the job into this many replicas of whole nodes
+#              (--diloco-replicas; e.g. 2 for two sites; docs/diloco.md) (optional)
 
 set -euo pipefail
 
@@ -29,6 +31,14 @@ if [[ -n "${DATA_PATH:-}" || -n "${TOKENIZER:-}" ]]; then
 elif [[ "$(basename "$CONFIG")" != tiny_* ]] && ! grep -q '^data-path:' "$CONFIG"; then
     echo "error: $CONFIG needs real data: set DATA_PATH (indexed dataset prefix) and TOKENIZER (its tokenizer model)" >&2
     exit 2
+fi
+if [[ -n "${DILOCO_REPLICAS:-}" ]]; then
+    NODES="${SLURM_NNODES:-1}"
+    if ! [[ "$DILOCO_REPLICAS" =~ ^[1-9][0-9]*$ ]] || (( NODES % DILOCO_REPLICAS )); then
+        echo "error: DILOCO_REPLICAS=$DILOCO_REPLICAS does not divide the job's $NODES nodes (replicas are whole nodes)" >&2
+        exit 2
+    fi
+    OVERRIDES=(--diloco-replicas "$DILOCO_REPLICAS" "${OVERRIDES[@]}")
 fi
 mkdir -p "$RUN_DIR"
 STOP_FILE="$RUN_DIR/STOP"
