@@ -9,7 +9,9 @@ across its *outer group* (the ranks holding the same shard in the other replicas
   forward pass uses) - equal right after an outer step of every fragment (tau 0, alpha 0),
   different in between, since each replica trains on its own data;
 * ``INNER rank=R iter=I identical=B``: the model's parameters across the replica's own
-  data-parallel ranks (megatron's intra-instance group): always equal.
+  data-parallel ranks (megatron's intra-instance group): always equal;
+* ``TIED rank=R iter=I identical=B`` (pipeline parallelism with tied embeddings): the first
+  stage's word embedding and the last stage's output layer, its copy: always equal.
 """
 
 import os
@@ -38,6 +40,9 @@ def checked_outer_step(config, chunks, optimizer, stats, log):
     group = next(iter(outer.channels.values()))[1].group
     inner = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     rank = dist.get_rank()
+    tied = None  # this stage's copy of a tied embedding split over pipeline stages
+    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        tied = next((p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)), None)
 
     def checked(t: int) -> None:
         after_step(t)
@@ -49,6 +54,8 @@ def checked_outer_step(config, chunks, optimizer, stats, log):
         params = [p for c in chunks for p in c.parameters()]
         _say(f"MODEL rank={rank} iter={t} identical={identical_across(params, group)}")
         _say(f"INNER rank={rank} iter={t} identical={identical_across(params, inner)}")
+        if tied is not None:
+            _say(f"TIED rank={rank} iter={t} identical={identical_across([tied], ps.get_embedding_group())}")
 
     outer.after_step = checked
     return outer

@@ -72,6 +72,22 @@ def test_replicas_train_apart_and_agree_after_each_outer_step(cache_dir, tmp_pat
     assert "between replicas (DiLoCo outer exchanges)" in proc.stdout
 
 
+def test_tied_embedding_copies_stay_equal_across_pipeline_stages(cache_dir, tmp_path):
+    """Guards against the two copies of a tied embedding (the first stage's word embedding,
+    the last stage's output layer) drifting apart under the outer step: they sit at
+    different places of their stages' shards, so a compressed exchange (blocks, error
+    buffers) or a ring all-reduce would give them different updates; megatron keeps them
+    equal only through the inner steps' gradients. PP 2 x 2 replicas, outer 4-bit, outer
+    steps at 2 and 4: equal after every step, and the replicas agree after outer steps."""
+    args = TINY + ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--diloco-replicas", "2",
+                   "--diloco-inner-steps", "2", "--diloco-outer-bits", "4"]
+    proc, _ = torchrun(4, args, cache_dir, tmp_path, script="tests/diloco_check.py")
+    tied, model = _checks(proc.stdout, "TIED"), _checks(proc.stdout, "MODEL")
+    assert set(tied) == {(r, t) for r in range(4) for t in range(1, 5)}
+    assert all(v == [True] for v in tied.values()), tied
+    assert all(model[(r, t)] == [True] for r in range(4) for t in (2, 4)), model
+
+
 def test_streaming_collectives_in_the_same_order_on_every_rank(cache_dir, tmp_path, monkeypatch):
     """Guards against outer exchanges whose phases are issued by polling or timing
     (NCCL deadlocks where gloo forgives): under random delays and random is_completed()

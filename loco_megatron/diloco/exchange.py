@@ -7,6 +7,11 @@ returns an :class:`OuterWork`; ``second_phase()`` and ``wait()`` finish it, afte
 
 * ``bits == 0``: one fp32 ``all_reduce`` (sum; every rank receives the same reduced
   values, as NCCL's and gloo's ring and tree algorithms deliver them), then ``/ R``.
+* ``exact``: an fp32 ``all_gather`` of every rank's ``delta``, summed in rank order. Each
+  element's mean then depends on that element's values alone, not on where it sits in the
+  buffer (a ring all-reduce's summation order does): the two copies of a tied embedding,
+  which sit at different places of their pipeline stages' shards, get the same update.
+  ``(R - 1) * N * 4`` bytes per rank.
 * ``bits`` 8, 4, 2: LoCo's two-phase compressed all-reduce. Phase 1 is
   :func:`~loco_megatron.loco.collectives.compressed_reduce_scatter`: each rank
   compensates ``delta`` with its own error buffer, quantises it in ``R`` rows and sends
@@ -47,8 +52,11 @@ class OuterChannel:
     def __init__(self, numel: int, group, bits: int, block_size: int = 256, options: Optional[QuantOptions] = None,
                  error_feedback: bool = True, beta: float = 0.8, kernels: str = "torch",
                  device: Optional[torch.device] = None, name: str = "outer", ops: CollectiveOps = TORCH_OPS,
-                 decompress: Optional[Callable] = None, workspace: Optional[Workspace] = None, clock=None):
-        self.numel, self.group, self.bits, self.name = numel, group, bits, name
+                 decompress: Optional[Callable] = None, workspace: Optional[Workspace] = None, clock=None,
+                 exact: bool = False):
+        if exact and bits:
+            raise ValueError("exact (gather and sum in rank order) is an fp32 exchange: bits must be 0")
+        self.numel, self.group, self.bits, self.name, self.exact = numel, group, bits, name, exact
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ops, self.clock = ops, clock or WallClock()
@@ -79,6 +87,8 @@ class OuterChannel:
     # -- sizes -------------------------------------------------------------------------
     def bytes_to_others(self) -> int:
         """Bytes this rank sends to the other ranks of the group per exchange (both phases)."""
+        if self.exact:
+            return (self.world - 1) * self.numel * 4
         if not self.bits:
             return 2 * (self.world - 1) * self.numel * 4 // self.world
         return (self.world - 1) * (self.layout1.row_bytes + self.row_layout.row_bytes)
@@ -153,6 +163,12 @@ class OuterWork:
 
     def begin(self) -> None:
         c = self.c
+        if c.exact:
+            self.launch_mark = c.clock.mark()
+            self._recv2 = torch.empty(c.world * c.numel, dtype=torch.float32, device=self.delta.device)
+            self._work = c.ops.all_gather_into_tensor(self._recv2, self.delta, group=c.group, async_op=True)
+            self.phase = 2
+            return
         if not c.bits:
             self.launch_mark = c.clock.mark()
             self._work = c.ops.all_reduce(self.delta, group=c.group, async_op=True)
@@ -198,7 +214,14 @@ class OuterWork:
         def run():
             self._work.wait()
             self._work = None
-            if not c.bits:
+            if c.exact:
+                rows = self._recv2.view(c.world, -1)
+                self.delta.copy_(rows[0])
+                for r in range(1, c.world):  # rank order: the same sum wherever the element sits
+                    self.delta.add_(rows[r])
+                self.delta.div_(c.world)
+                self._recv2 = None
+            elif not c.bits:
                 self.delta.div_(c.world)
             else:
                 rows = self._recv2.view(c.world, -1)

@@ -57,17 +57,22 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     workspace = Workspace()
     channels = {}
     for i, pairs in enumerate(main_shards(optimizer)):
-        per_fragment: dict[int, list] = {}
+        per_channel: dict[tuple[int, bool], list] = {}
         for param, start, end, view in pairs:
-            f = fragment_of(names[id(param)], layers.get(id(param)), getattr(param, "shared_embedding", False),
-                            config.model.num_layers, d.diloco_fragments)
-            per_fragment.setdefault(f, []).append((view, (param, start, end)))
-        for f in sorted(per_fragment):
-            views = ShardViews([v for v, _ in per_fragment[f]], [s for _, s in per_fragment[f]])
-            key = f"opt{i}.fragment{f}"
-            channel = OuterChannel(views.numel, group, d.diloco_outer_bits, lc.loco_block_size, options,
-                                   d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, views.views[0].device,
-                                   name=key, ops=ops, workspace=workspace, clock=stats.clock)
+            shared = getattr(param, "shared_embedding", False)
+            f = fragment_of(names[id(param)], layers.get(id(param)), shared, config.model.num_layers,
+                            d.diloco_fragments)
+            # A tied embedding split over two pipeline stages: both copies must get the same
+            # update, wherever each sits in its stage's shard (see exchange.py, exact).
+            tied = shared and config.parallel.pipeline_model_parallel_size > 1
+            per_channel.setdefault((f, tied), []).append((view, (param, start, end)))
+        for f, tied in sorted(per_channel):
+            views = ShardViews([v for v, _ in per_channel[f, tied]], [s for _, s in per_channel[f, tied]])
+            key = f"opt{i}.fragment{f}" + (".tied" if tied else "")
+            channel = OuterChannel(views.numel, group, 0 if tied else d.diloco_outer_bits, lc.loco_block_size,
+                                   options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels,
+                                   views.views[0].device, name=key, ops=ops, workspace=workspace, clock=stats.clock,
+                                   exact=tied)
             channels[key] = (views, channel, i, f)
 
     def record(work) -> None:
