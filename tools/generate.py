@@ -18,6 +18,7 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from loco_megatron.cli import hf_hub_offline  # noqa: E402
 from loco_megatron.config import ConfigError  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main() -> int:
         from loco_megatron.generation import Sampling, generate
 
         sampling = Sampling(args.max_new_tokens, args.top_p, args.temperature, args.seed)
-        out = generate(args.load, args.prompt, sampling, args.tokenizer_model)
+        out = generate(args.load, args.prompt, sampling, args.tokenizer_model, offline=hf_hub_offline())
     except ConfigError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
