@@ -88,7 +88,7 @@ def load_hf_tokenizer(model: str, offline: bool = False):
     """megatron-core's ``HuggingFaceTokenizer`` (through ``MegatronTokenizer``) over ``model``
     (``offline``: a hub name is read from the hub cache only). Raises ConfigError (one line,
     InputNotHere when it is not on this machine) when it cannot be loaded or has no eos token."""
-    source = _local_source(model, offline)  # before the slow imports: a missing path is one line at once
+    source = _local_source(model, offline)  # first: a hub name that cannot be had fails before the slow imports
     try:
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401
