@@ -122,3 +122,16 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
     head, full = tokenizer.detokenize(prompt_ids), tokenizer.detokenize(prompt_ids + new)
     text = full[len(head):] if full.startswith(head) else tokenizer.detokenize(new)
     return Generated(prompt_ids, new, at_eod, text)
+
+
+def whitespace_note(text: str) -> str:
+    """For the end-of-generation line: what a whitespace-only ``text`` holds ("" when it has
+    anything visible). An undertrained model's most likely tokens are indentation and
+    newlines; printed bare they look like no output at all."""
+    if not text or text.strip():
+        return ""
+    names = {" ": "space", "\n": "newline", "\t": "tab"}
+    counts = [(text.count(c), name) for c, name in names.items() if c in text]
+    other = len(text) - sum(n for n, _ in counts)
+    parts = [f"{n} {name}{'s' if n != 1 else ''}" for n, name in counts] + ([f"{other} other"] if other else [])
+    return f"; the new text is whitespace only: {', '.join(parts)}"

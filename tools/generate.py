@@ -37,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # megatron-core warns at import about optional fused kernels
     try:
-        from loco_megatron.generation import Sampling, generate
+        from loco_megatron.generation import Sampling, generate, whitespace_note
 
         sampling = Sampling(args.max_new_tokens, args.top_p, args.temperature, args.seed)
         out = generate(args.load, args.prompt, sampling, args.tokenizer_model, offline=hf_hub_offline())
@@ -46,7 +46,7 @@ def main() -> int:
         return 2
     print(args.prompt + out.text)
     ending = "end of document" if out.stopped_at_eod else f"--max-new-tokens {args.max_new_tokens}"
-    print(f"[{len(out.new_ids)} new tokens, stopped at {ending}]", file=sys.stderr)
+    print(f"[{len(out.new_ids)} new tokens, stopped at {ending}{whitespace_note(out.text)}]", file=sys.stderr)
     return 0
 
 
