@@ -16,9 +16,11 @@ from __future__ import annotations
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.hub import InputNotHere
 from loco_megatron.data.tokenizer import load_tokenizer
-from loco_megatron.model import check_transformer_engine, padded_vocab_size
 from loco_megatron.training.memory_estimate import estimate, estimate_line
-from loco_megatron.training.summary import batch_line, layout_line, loco_settings, model_line
+
+# loco_megatron.model and .summary import torch (seconds on a busy machine): they are imported
+# where used, after the checks that need neither, so a bad layout or a missing tokenizer is
+# one line at once.
 
 
 def check_layout(config: Config, world_size: int) -> tuple[int, int]:
@@ -30,6 +32,8 @@ def check_layout(config: Config, world_size: int) -> tuple[int, int]:
 def check_start(config: Config, world_size: int) -> tuple[int, int]:
     """Everything a real start checks about the config before torch.distributed: the
     layout, and TransformerEngine when the layers need it."""
+    from loco_megatron.model import check_transformer_engine
+
     dims = check_layout(config, world_size)
     check_transformer_engine(config)
     return dims
@@ -61,6 +65,9 @@ def dry_run(config: Config, world_size: int, offline: bool = False) -> str:
     unreadable tokenizer; ``offline``: HF_HUB_OFFLINE, see :func:`dry_run_vocab`)."""
     dp, expert_dp = check_layout(config, world_size)
     vocab, source = dry_run_vocab(config, offline)
+    from loco_megatron.model import check_transformer_engine, padded_vocab_size
+    from loco_megatron.training.summary import batch_line, layout_line, loco_settings, model_line
+
     padded = padded_vocab_size(vocab, config.parallel.tensor_model_parallel_size)
     lines = [
         f"dry run: the config and the layout for world size {world_size} are valid; no process was started",
