@@ -24,15 +24,18 @@ def main() -> int:
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-    if dry_run_world is not None:
-        from loco_megatron.training.preflight import dry_run
+    try:
+        if dry_run_world is not None:
+            from loco_megatron.training.preflight import dry_run
 
-        try:
-            print(dry_run(config, dry_run_world))
-        except ConfigError as e:
-            report_error(e, 0)
-            return 2
-        return 0
+            print(dry_run(config, dry_run_world, env.hf_hub_offline))
+            return 0
+        from loco_megatron.data.inputs import check_inputs_here
+
+        check_inputs_here(config.data)  # before torch is imported: a typo'd path is one line at once
+    except ConfigError as e:
+        report_error(e, 0 if dry_run_world is not None else env.rank)
+        return 2
     from loco_megatron.training.children import die_with_parent
     from loco_megatron.training.health import RunAborted
     from loco_megatron.training.trainer import train  # heavy imports after parsing

@@ -11,8 +11,8 @@ recomputation none / selective / full and sequence parallelism on / off, TP=2 on
 
 Analytic (per GPU, bytes): :mod:`loco_megatron.training.memory_estimate` (the estimator
 ``pretrain_gpt.py --dry-run`` prints), for each config's shipped layout at its template's
-geometry and a few alternatives, LoCo 4-bit, with the vocabulary of the tokenizer each
-model family uses (LLaMA-2/Mixtral 32000, LLaMA-3 128256).
+geometry and a few alternatives, LoCo 4-bit, with the vocabulary each config states for its
+dry runs (``dry-run-vocab-size``: LLaMA-2/Mixtral 32000, LLaMA-3 128256, GPT-2 50257).
 """
 
 from __future__ import annotations
@@ -76,10 +76,11 @@ def measured_table(models: dict, settings: dict, iters: int, cache: str) -> str:
 
 
 def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, recompute: str, sp: bool,
-             micro_batch: int | None = None, loco_bits: int = 4, etp: int | None = None, vocab: int = 32000,
+             micro_batch: int | None = None, loco_bits: int = 4, etp: int | None = None,
              extra: dict | None = None) -> dict:
     """Bytes per GPU on the first pipeline stage for ``config_file`` in one layout
-    (world = TP x PP x DP; see :func:`loco_megatron.training.memory_estimate.estimate`);
+    (world = TP x PP x DP; see :func:`loco_megatron.training.memory_estimate.estimate`), with
+    the vocabulary its dry run uses (its dry-run-vocab-size, else the built-in corpus's);
     ``micro_batch`` None: the config's; ``extra``: more flag values (Megatron-FSDP's)."""
     values = load_yaml_config(config_file)
     micro_batch = micro_batch or values.get("micro_batch_size", 4)
@@ -91,11 +92,10 @@ def analytic(config_file: str, tp: int, pp: int, dp: int, ep: int, vp: int, reco
                   recompute_method="uniform" if recompute == "full" else None)
     values["global_batch_size"] = micro_batch * dp * pp * 8  # any batch the layout accepts
     values.update(extra or {})
-    return estimate(make_config(values), tp * pp * dp, vocab)
+    config = make_config(values)
+    return estimate(config, tp * pp * dp, config.data.dry_run_vocab_size or config.data.vocab_size)
 
 
-VOCAB = {"llama3_8b": 128256, "gpt_125m": 50257, "gpt_1.3b": 50257, "tiny_gpt": 4096, "tiny_moe": 4096}
-"""Tokenizer sizes other than LLaMA-2's 32000 (LLaMA-3's, GPT-2's, the built-in corpus tokenizer's)."""
 # (TP, PP, DP, EP, VP, recompute, SP, ETP or None = TP); the first row of each config is
 # the layout it ships with, at its Slurm template's GPU count (see its header comment).
 LAYOUTS = {
@@ -130,8 +130,7 @@ def analytic_table() -> str:
     for cfg, layouts in LAYOUTS.items():
         stem = pathlib.Path(cfg).stem
         for tp, pp, dp, ep, vp, rc, sp, etp in layouts:
-            r = analytic(str(REPO / cfg), tp, pp, dp, ep, vp, rc, sp, etp=etp,
-                         vocab=VOCAB.get(stem, 32000))
+            r = analytic(str(REPO / cfg), tp, pp, dp, ep, vp, rc, sp, etp=etp)
             gib = {k: v / GIB for k, v in r.items()}
             rows.append(
                 f"| {stem} | {tp * pp * dp} | {tp} | {pp} | {dp} | {ep} | {etp or tp} | {r['expert_dp'] or '-'} | {vp} | "
@@ -164,8 +163,7 @@ def sharding_table() -> str:
     for cfg in ("configs/llama2_7b.yaml", "configs/llama3_8b.yaml", "configs/llama2_13b.yaml"):
         stem, base = pathlib.Path(cfg).stem, None
         for name, extra in SHARDING.items():
-            r = analytic(str(REPO / cfg), 1, 1, 16, 1, 1, "full", False, vocab=VOCAB.get(stem, 32000),
-                         loco_bits=extra["loco_bits"], extra=extra)
+            r = analytic(str(REPO / cfg), 1, 1, 16, 1, 1, "full", False, loco_bits=extra["loco_bits"], extra=extra)
             base = base or r["total"]
             gib = {k: v / GIB for k, v in r.items()}
             rows.append(f"| {stem} | {name} | {gib['weights']:.1f} | {gib['grads']:.1f} | {gib['optimizer']:.1f} | "

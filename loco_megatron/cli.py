@@ -50,6 +50,8 @@ class LaunchEnv:
     distributed_timeout_s: Optional[float] = None
     """LOCO_DISTRIBUTED_TIMEOUT_S: collective timeout in seconds, overriding
     --distributed-timeout-minutes (hang drills and tests; not a flag on purpose)."""
+    hf_hub_offline: bool = False
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set: a hub tokenizer is read from the hub cache only."""
     started_at: float = dataclasses.field(default_factory=time.time)
     """When this process started (seconds since the epoch): a --stop-file older than this
     is left over from an earlier job."""
@@ -81,7 +83,15 @@ class LaunchEnv:
             triton_interpret=environ.get("TRITON_INTERPRET", "") == "1",
             distributed_timeout_s=float(environ["LOCO_DISTRIBUTED_TIMEOUT_S"])
             if environ.get("LOCO_DISTRIBUTED_TIMEOUT_S") else None,
+            hf_hub_offline=hf_hub_offline(environ),
         )
+
+
+def hf_hub_offline(environ=os.environ) -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is 1/ON/YES/TRUE, as huggingface_hub reads it
+    (for the tools, which share this module's reading of the environment)."""
+    value = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in ("1", "ON", "YES", "TRUE")
 
 
 def _field_docs(cls) -> dict[str, str]:

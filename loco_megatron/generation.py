@@ -86,10 +86,11 @@ def generate_ids(model: Callable, prompt_ids: list[int], eod: int, vocab: int, c
 
 
 def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Optional[str] = None,
-             cache_home: pathlib.Path = pathlib.Path.home() / ".cache") -> Generated:
+             cache_home: pathlib.Path = pathlib.Path.home() / ".cache", offline: bool = False) -> Generated:
     """Continue ``prompt`` with the model saved in ``load`` (a SAVE root or an ``iter_N``
     folder), tokenised by the run's tokenizer (``tokenizer_model``, default the one its run
-    config names or the built-in corpus's). Raises ConfigError (one line) on bad input."""
+    config names or the built-in corpus's; ``offline``: HF_HUB_OFFLINE, a hub name is read
+    from the hub cache only). Raises ConfigError (one line) on bad input."""
     from loco_megatron.data.tokenizer import load_tokenizer
     from loco_megatron.export.reader import (embedding_rows, loaded_model, read_run_config,
                                              resolve_iteration_dir, single_rank_config)
@@ -105,7 +106,7 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
         tok_path = tokenizer_model or saved.data.tokenizer_model
     else:
         tok_path = str(tokenizer_model or default_tokenizer_path(saved, cache_home))
-    tokenizer = load_tokenizer(tok_path, tok_type)  # ConfigError naming --tokenizer-model if missing
+    tokenizer = load_tokenizer(tok_path, tok_type, offline)  # ConfigError naming --tokenizer-model if missing
     pieces, tp = tokenizer.vocab_size, saved.parallel.tensor_model_parallel_size
     if padded_vocab_size(pieces, tp) != rows:
         raise ConfigError(f"--tokenizer-model: {tok_path} has {pieces} pieces, but the checkpoint's embedding "
@@ -121,3 +122,16 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
     head, full = tokenizer.detokenize(prompt_ids), tokenizer.detokenize(prompt_ids + new)
     text = full[len(head):] if full.startswith(head) else tokenizer.detokenize(new)
     return Generated(prompt_ids, new, at_eod, text)
+
+
+def whitespace_note(text: str) -> str:
+    """For the end-of-generation line: what a whitespace-only ``text`` holds ("" when it has
+    anything visible). An undertrained model's most likely tokens are indentation and
+    newlines; printed bare they look like no output at all."""
+    if not text or text.strip():
+        return ""
+    names = {" ": "space", "\n": "newline", "\t": "tab"}
+    counts = [(text.count(c), name) for c, name in names.items() if c in text]
+    other = len(text) - sum(n for n, _ in counts)
+    parts = [f"{n} {name}{'s' if n != 1 else ''}" for n, name in counts] + ([f"{other} other"] if other else [])
+    return f"; the new text is whitespace only: {', '.join(parts)}"

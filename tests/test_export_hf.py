@@ -379,3 +379,14 @@ def test_generate_from_any_layout_is_deterministic_and_stops_at_eod(work, dense,
     bad = _run([sys.executable, "tools/generate.py", "--load", str(work / "nowhere"), "--prompt", "x"])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"generate.py: error: --load: {work / 'nowhere'} does not exist"], bad.stderr[-2000:]
+
+
+def test_whitespace_only_generation_is_named():
+    """Guards against tools/generate.py on the README's export example printing only
+    whitespace with nothing saying so: a 20-step model's greedy text is 320 spaces, which
+    looked like no output at all; its end line now names what the text holds."""
+    from loco_megatron.generation import whitespace_note
+
+    assert whitespace_note(" " * 320) == "; the new text is whitespace only: 320 spaces"
+    assert whitespace_note("\n \n\t\u00a0") == "; the new text is whitespace only: 1 space, 2 newlines, 1 tab, 1 other"
+    assert whitespace_note("  x\n") == "" and whitespace_note("") == ""

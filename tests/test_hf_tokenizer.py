@@ -209,3 +209,140 @@ def test_hf_tokenizer_without_eos_and_config_errors_are_one_line(work, tmp_path)
         DataConfig(tokenizer_type="GPT2BPETokenizer")
     with pytest.raises(ConfigError, match="is a file but not a tokenizer.json"):
         load_tokenizer(str(work / "docs.parquet"), "HuggingFaceTokenizer")
+
+
+def _fake_hub_cache(cache: pathlib.Path, repo: str, folder: pathlib.Path) -> None:
+    """``folder``'s files as the cached snapshot of hub repo ``repo`` (huggingface_hub's layout)."""
+    import shutil
+
+    commit = "0" * 40
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, root / "snapshots" / commit)
+
+
+def test_path_or_hub_name_rule(tmp_path, monkeypatch):
+    """Guards against a typo'd local path being looked up on the Hugging Face hub (it waited
+    77 s on retries) and against a real hub name being refused as a missing path: the rule
+    of loco_megatron/data/hub.py, case by case, in a folder holding only runs/ and README.md."""
+    from loco_megatron.data.hub import local_path_reason
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "README.md").write_text("x")
+    for hub in ("gpt2", "meta-llama/Meta-Llama-3-8B", "Qwen/Qwen2.5-7B", "bert-base-uncased", "data/hf_tok"):
+        assert local_path_reason(hub) is None, hub
+    for path, why in (("./tok", "starts with ."), ("/abs/tok", "starts with /"), ("~/tok", "starts with ~"),
+                      ("a/b/c", "NAME or ORG/NAME"), ("tok.model", "ends in .model"),
+                      ("org/tokenizer.json", "ends in .json"), ("my tok", "characters"), ("a--b", "characters"),
+                      ("runs/tok", "runs/ is a folder here"), ("README.md", "exists here")):
+        assert why in (local_path_reason(path) or ""), (path, local_path_reason(path))
+
+
+def test_missing_local_tokenizer_and_dataset_paths_are_one_line_without_the_network(work, tmp_path):
+    """Guards against a missing local tokenizer or dataset path being tried on the hub: with a
+    data/ folder in the working directory, --tokenizer-model data/hf_tokk waited 77 s in
+    pretrain_gpt.py (57 s in tools/preprocess_data.py) on 24 lines of 'Name or service not known
+    ... Retrying in 8s [Retry 5/5]' and ended cut mid-word ('...and couldn't fi'). Every run
+    here has the network cut (tests/no_network.py: any lookup or connect is exit 99) and must
+    end with exit 2 and one line; a hub name with HF_HUB_OFFLINE set and no cached copy too."""
+    (tmp_path / "data").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HOME": str(tmp_path / "hf")}
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer"]
+    cases = [
+        (["pretrain_gpt.py", "--data-path", "data/ds", *hf, "--tokenizer-model", "data/hf_tokk"],
+         "pretrain_gpt.py: error: --tokenizer-model: data/hf_tokk does not exist (read as a local path: data/ is a "
+         "folder here)"),
+        (["pretrain_gpt.py", "--data-path", "data/ds", "--tokenizer-model", "data/tok.model"],
+         "pretrain_gpt.py: error: --tokenizer-model: data/tok.model does not exist"),
+        (["tools/preprocess_data.py", "--input", str(work / "docs.parquet"), "--json-keys", "content", *hf,
+          "--tokenizer-model", "data/hf_tok", "--output-prefix", "data/ds"],
+         "error: --tokenizer-model: data/hf_tok does not exist (read as a local path: data/ is a folder here)"),
+        (["tools/preprocess_data.py", "--hf-dataset", "./corpus_hf", *hf, "--tokenizer-model", str(work / "tok"),
+          "--output-prefix", "data/ds"],
+         "error: --hf-dataset: ./corpus_hf does not exist (read as a local path: it starts with .)"),
+        (["tools/train_tokenizer.py", *hf, "--input", "data/corpus.parquet", "--output-prefix", "data/tok"],
+         "error: data/corpus.parquet does not exist"),
+    ]
+    for args, line in cases:
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "no_network.py"), str(REPO / args[0]), *args[1:]],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
+        assert (proc.returncode, lines) == (2, [line]), (args, proc.returncode, proc.stderr[-2000:])
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "no_network.py"), str(REPO / "tools/preprocess_data.py"),
+                           "--input", str(work / "docs.parquet"), "--json-keys", "content", *hf, "--tokenizer-model",
+                           "someorg/not-cached", "--output-prefix", "data/ds"], cwd=tmp_path,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --tokenizer-model: someorg/not-cached is not a local file or folder, and as a Hugging Face hub name "
+        "it is not in the local hub cache (HF_HUB_OFFLINE is set: nothing is downloaded)"], proc.stderr[-2000:]
+    assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_dry_run_reads_the_vocabulary_of_every_tokenizer_form(work, tmp_path, monkeypatch):
+    """Guards against a dry run that does not read the tokenizer a real start would: with
+    --tokenizer-type HuggingFaceTokenizer, a tokenizer.json crashed with a sentencepiece
+    RuntimeError traceback and the folder printed 'vocabulary 32000 assumed (... is not here)'
+    although it held fewer tokens, so the memory estimate was wrong. Each form (sentencepiece
+    .model, HF folder, tokenizer.json, a hub name read offline from the hub cache) gives its
+    own vocabulary (counted here from its files); a tokenizer that is not here is one line
+    naming --dry-run-vocab-size, which, when given, is used and printed as such; no form
+    touches the network."""
+    import socket
+
+    import huggingface_hub.constants
+    import sentencepiece
+
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+    from loco_megatron.data.corpus import stdlib_documents
+    from loco_megatron.data.tokenizer import train_sentencepiece
+    from loco_megatron.training.preflight import dry_run
+
+    attempts = []
+    for name in ("getaddrinfo", "create_connection"):
+        monkeypatch.setattr(socket, name, lambda *a, **k: attempts.append(a) or (_ for _ in ()).throw(OSError("cut")))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _fake_hub_cache(tmp_path / "hub", "someorg/tinytok", work / "tok")
+    sp = train_sentencepiece(stdlib_documents()[:10], str(tmp_path / "sp"), 500)
+    sp_pieces = sentencepiece.SentencePieceProcessor(model_file=sp).get_piece_size()
+    hf_tokens = len(json.loads((work / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert (sp_pieces, hf_tokens) == (500, 400)
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer"]
+
+    def report(*flags, offline=True):
+        return dry_run(parse_config(["--data-path", "nowhere/ds", *flags]), 2, offline)
+
+    for flags, vocab in (([f"--tokenizer-model={sp}"], sp_pieces), ([*hf, f"--tokenizer-model={work / 'tok'}"], hf_tokens),
+                         ([*hf, f"--tokenizer-model={work / 'tok' / 'tokenizer.json'}"], hf_tokens),
+                         ([*hf, "--tokenizer-model=someorg/tinytok"], hf_tokens)):
+        assert f"vocabulary {vocab} from {flags[-1].split('=', 1)[1]};" in report(*flags), flags
+    with pytest.raises(ConfigError) as e:
+        report(*hf, "--tokenizer-model=someorg/not-cached")
+    assert str(e.value) == ("--tokenizer-model: someorg/not-cached is not a local file or folder, and as a Hugging "
+                            "Face hub name it is not in the local hub cache (HF_HUB_OFFLINE is set: nothing is "
+                            "downloaded); a dry run reads the vocabulary from it (or state it: --dry-run-vocab-size N)")
+    out = report(*hf, "--tokenizer-model=someorg/not-cached", "--dry-run-vocab-size=128256")
+    assert "vocabulary 128256 (--dry-run-vocab-size: someorg/not-cached is not on this machine)" in out
+    out = report(f"--tokenizer-model={tmp_path / 'gone.model'}", "--dry-run-vocab-size=32000")
+    assert f"vocabulary 32000 (--dry-run-vocab-size: {tmp_path / 'gone.model'} is not on this machine)" in out
+    with pytest.raises(ConfigError, match=r"tokenizer.json is a JSON file, not a sentencepiece .model file \(for a "
+                                          r"Hugging Face tokenizer add --tokenizer-type HuggingFaceTokenizer\)$"):
+        report(f"--tokenizer-model={work / 'tok' / 'tokenizer.json'}")
+    assert attempts == []
+
+
+def test_launch_render_reads_a_hf_tokenizer_json(work, tmp_path):
+    """Guards against tools/launch.py render (run before sbatch) crashing on a Hugging Face
+    tokenizer.json with a sentencepiece RuntimeError traceback: it prints the dry run with the
+    tokenizer's own vocabulary and every node's command."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_JOB_NODELIST="a,b", SLURM_NNODES="2", SLURM_JOB_ID="5")
+    proc = subprocess.run([sys.executable, "tools/launch.py", "render", "--config", "configs/tiny_gpt.yaml",
+                           "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "1", "--", "--data-path",
+                           str(work / "ds"), "--tokenizer-type", "HuggingFaceTokenizer",
+                           "--tokenizer-model", str(work / "tok" / "tokenizer.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"vocabulary 400 from {work / 'tok' / 'tokenizer.json'};" in proc.stdout, proc.stdout
+    assert sum(1 for line in proc.stdout.splitlines() if "torch.distributed.run" in line) == 2

@@ -36,13 +36,15 @@ def _geometry(config) -> int:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_every_shipped_config_dry_runs_at_its_template_geometry(config):
+def test_every_shipped_config_dry_runs_at_its_template_geometry_and_its_header_is_its_dry_run(config):
     """Guards against a shipped config that cannot start on the GPUs its header (and Slurm
     template) assume: the Mixtral config's EP 8 did not divide the DP 4 of its 32-GPU
-    template before parallel folding. Also: the header names its memory per GPU, and every
-    GPU config uses TransformerEngine layers while this CPU machine still validates it; and
-    the header's memory per GPU is what benchmarks/memory.py prints for that layout (not a
-    number written by hand that drifts from the estimator)."""
+    template before parallel folding. Also: every GPU config uses TransformerEngine layers
+    while this CPU machine still validates it; and the header's figures are its dry run's
+    (tools/config_headers.py), not numbers that disagree with it: the GPU configs' dry runs
+    assumed vocabulary 4096 and LoCo off while their headers said LLaMA-3's 128256 and 4-bit
+    (llama3_8b 45.1 vs 49.2 GiB; Mixtral 'LoCo: off'), and llama_1b's header figure was
+    computed with 32000 tokens while it named 128256."""
     from loco_megatron.cli import parse_config
     from loco_megatron.training.preflight import dry_run
 
@@ -54,15 +56,15 @@ def test_every_shipped_config_dry_runs_at_its_template_geometry(config):
         assert "local layers" in out
     else:
         assert "transformer_engine layers" in out and "TransformerEngine:" in out
-    # The header's memory figure is benchmarks/memory.py's for the shipped layout (its first row).
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import memory
+        # The GPU configs state their LoCo setting and vocabulary in the file: the plain dry run shows them.
+        assert "LoCo: 4-bit" in out and "(--dry-run-vocab-size: no --tokenizer-model given" in out
+    sys.path.insert(0, str(REPO / "tools"))
+    import config_headers
 
-    tp, pp, dp, ep, vp, rc, sp, etp = memory.LAYOUTS[f"configs/{config.name}"][0]
-    assert tp * pp * dp == world
-    est = memory.analytic(str(config), tp, pp, dp, ep, vp, rc, sp, etp=etp, vocab=memory.VOCAB.get(config.stem, 32000))
-    header = re.search(r"^#.*Memory per (?:GPU|rank) \(benchmarks/memory\.py[^~]*~(\d+\.\d+) GiB", config.read_text(), re.M)
-    assert header and float(header.group(1)) == pytest.approx(est["total"] / 2**30, rel=0.02), (header, est["total"])
+    text = config.read_text()
+    commands = [l for l in text.splitlines() if l.startswith(config_headers.COMMAND)]
+    assert commands and f"--config configs/{config.name} --dry-run --world-size {world}" in commands[0], commands
+    assert config_headers.regenerated(text) == text, f"{config.name}: run python tools/config_headers.py"
 
 
 def test_mixtral_folds_experts_on_its_32_gpus_and_impossible_layouts_give_one_line():

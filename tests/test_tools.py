@@ -1,6 +1,7 @@
 """The data tools end to end: text/jsonl -> tokenizer -> .bin/.idx usable for training."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -37,7 +38,8 @@ def test_train_tokenizer_then_preprocess(tmp_path):
 def test_bad_inputs_give_one_line_and_no_partial_files(tmp_path):
     """Guards against a non-UTF-8 .jsonl (UnicodeDecodeError traceback, *.tmp<pid>.bin left
     behind), a malformed JSON line or an empty input (sentencepiece RuntimeError traceback;
-    an empty dataset written with exit 0), and a vocabulary the corpus cannot fill."""
+    an empty dataset written with exit 0), and a vocabulary the corpus cannot fill (its
+    sentencepiece message was cut mid-word: 'Please set it to a valu)')."""
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n" * 5}) for i in range(60)))
     cases = {"latin.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin.jsonl:2 is not valid UTF-8"),
@@ -60,7 +62,9 @@ def test_bad_inputs_give_one_line_and_no_partial_files(tmp_path):
             assert rc == 2 and len(lines) == 1 and needle in lines[0], (tool, lines)
     rc, lines = run("tools/train_tokenizer.py", "--input", str(good), "--output-prefix", str(out / "big"),
                     "--vocab-size", "100000")
-    assert rc == 2 and len(lines) == 1 and "Vocabulary size too high" in lines[0], lines
+    # sentencepiece's whole message, not cut mid-word ("Please set it to a valu)")
+    assert rc == 2 and len(lines) == 1 and re.search(r"Vocabulary size too high \(100000\)\. Please set it to a "
+                                                     r"value <= \d+\.\)$", lines[0]), lines
     assert not out.exists() or list(out.iterdir()) == []
 
 

@@ -8,13 +8,17 @@ the first line (plain-text dumps often hold a few stray Latin-1 bytes). ``.gz`` 
 ``.zst`` files (e.g. ``corpus.jsonl.zst``) are read compressed, by the same rules.
 ``.parquet`` files are read with pyarrow (one document per row of the text column, in
 row order); a Hugging Face dataset (local folder or hub name) with the ``datasets``
-library, an optional dependency (requirements-datasets.txt).
+library, an optional dependency (requirements-datasets.txt); a name that looks like a local
+path (:mod:`loco_megatron.data.hub`) and does not exist is one line, never a hub look-up.
 """
 
 import json
 import pathlib
 import sys
 from typing import Iterator
+
+from loco_megatron.config import one_line
+from loco_megatron.data.hub import missing_path
 
 
 class InputError(Exception):
@@ -88,7 +92,7 @@ def _parquet(p: pathlib.Path, column: str, batch_rows: int = 1024) -> Iterator[s
     try:
         f = pq.ParquetFile(p)
     except (pa.ArrowException, OSError) as e:
-        raise InputError(f"{p} is not a parquet file ({str(e).splitlines()[0][:120]})") from None
+        raise InputError(f"{p} is not a parquet file ({one_line(e)})") from None
     names = f.schema_arrow.names
     if column not in names:
         raise InputError(f"{p} has no column '{column}' (columns: {', '.join(names)}); choose one with --json-keys")
@@ -102,15 +106,19 @@ def _parquet(p: pathlib.Path, column: str, batch_rows: int = 1024) -> Iterator[s
 
 
 def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train",
-                    streaming: bool = False) -> Iterator[str]:
+                    streaming: bool = False, offline: bool = False) -> Iterator[str]:
     """The ``column`` of a Hugging Face dataset: a folder written by ``save_to_disk``, a local
-    dataset folder or data files, or a hub name (``streaming``: read as it downloads). Raises
+    dataset folder or data files, or a hub name (``streaming``: read as it downloads;
+    ``offline``: HF_HUB_OFFLINE, which ``datasets`` reads too: the hub cache only). Raises
     InputError (one line) when ``datasets`` is missing or the dataset or column cannot be read."""
+    missing = missing_path("--hf-dataset", name)
+    if missing is not None:  # a local path: never looked up on the hub
+        raise InputError(str(missing))
     try:
         import datasets
     except ImportError:
         raise InputError("--hf-dataset needs the datasets library: pip install -r requirements-datasets.txt") from None
-    path = pathlib.Path(name)
+    path = pathlib.Path(name).expanduser()
     try:
         if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
             ds = datasets.load_from_disk(str(path))
@@ -121,8 +129,11 @@ def iter_hf_dataset(name: str, column: str, subset=None, split: str = "train",
         else:
             ds = datasets.load_dataset(name, subset, split=split, streaming=streaming)
     except Exception as e:  # FileNotFoundError, DatasetNotFoundError, ConnectionError, KeyError (split)...
-        raise InputError(f"--hf-dataset: {name} could not be loaded ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        if offline and not path.exists():
+            raise InputError(f"--hf-dataset: {name} is not a local folder, and as a Hugging Face hub dataset it "
+                             f"could not be read from the local cache (HF_HUB_OFFLINE is set: nothing is "
+                             f"downloaded; {type(e).__name__}: {one_line(e)})") from None
+        raise InputError(f"--hf-dataset: {name} could not be loaded ({type(e).__name__}: {one_line(e)})") from None
     names = list(ds.column_names or [])
     if names and column not in names:
         raise InputError(f"--hf-dataset: {name} has no column '{column}' (columns: {', '.join(names)}); "

@@ -16,6 +16,7 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from loco_megatron.cli import hf_hub_offline  # noqa: E402
 from loco_megatron.config import ConfigError  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def main() -> None:
         from loco_megatron.export import export_to_hf, print_summary
 
         summary = export_to_hf(args.load, args.out, args.tokenizer_model, pathlib.Path.home() / ".cache",
-                               args.tokenizer_type)
+                               args.tokenizer_type, hf_hub_offline())
     except ConfigError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -18,6 +18,7 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from loco_megatron.cli import hf_hub_offline  # noqa: E402
 from loco_megatron.config import ConfigError  # noqa: E402
 
 
@@ -36,16 +37,16 @@ def main() -> int:
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # megatron-core warns at import about optional fused kernels
     try:
-        from loco_megatron.generation import Sampling, generate
+        from loco_megatron.generation import Sampling, generate, whitespace_note
 
         sampling = Sampling(args.max_new_tokens, args.top_p, args.temperature, args.seed)
-        out = generate(args.load, args.prompt, sampling, args.tokenizer_model)
+        out = generate(args.load, args.prompt, sampling, args.tokenizer_model, offline=hf_hub_offline())
     except ConfigError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
     print(args.prompt + out.text)
     ending = "end of document" if out.stopped_at_eod else f"--max-new-tokens {args.max_new_tokens}"
-    print(f"[{len(out.new_ids)} new tokens, stopped at {ending}]", file=sys.stderr)
+    print(f"[{len(out.new_ids)} new tokens, stopped at {ending}{whitespace_note(out.text)}]", file=sys.stderr)
     return 0
 
 

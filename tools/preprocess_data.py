@@ -13,7 +13,10 @@ Inputs (--input): .jsonl (one JSON object per line, text under --json-keys), .pa
 (one document per row of the --json-keys column) or text (documents separated by blank
 lines), .jsonl/.txt optionally .gz or .zst compressed. Or --hf-dataset: a Hugging Face
 dataset (a local folder, or a hub name, with --streaming to read it as it downloads;
-needs `pip install -r requirements-datasets.txt`). With --workers N, N processes tokenise
+needs `pip install -r requirements-datasets.txt`). A --tokenizer-model or --hf-dataset that
+looks like a local path (loco_megatron/data/hub.py: e.g. it starts with . / ~, ends in
+.model/.json, or its first folder exists) is never looked up on the hub; HF_HUB_OFFLINE=1
+reads hub names from the local cache only. With --workers N, N processes tokenise
 while this one reads and writes, in input order (the files are the same as with 1).
 """
 
@@ -35,6 +38,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 from _inputs import InputError, fail, iter_documents, iter_hf_dataset  # noqa: E402
 
+from loco_megatron.cli import hf_hub_offline  # noqa: E402
 from loco_megatron.config import ConfigError  # noqa: E402
 from loco_megatron.data.indexed import write_token_documents  # noqa: E402
 from loco_megatron.data.tokenizer import TOKENIZER_TYPES, load_tokenizer, tokenizer_fingerprint  # noqa: E402
@@ -42,8 +46,9 @@ from loco_megatron.data.tokenizer import TOKENIZER_TYPES, load_tokenizer, tokeni
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer(model: str, tokenizer_type: str):
-    """One tokenizer per process (the pool re-sends the encoder with every chunk of work)."""
-    return load_tokenizer(model, tokenizer_type)
+    """One tokenizer per process (the pool re-sends the encoder with every chunk of work).
+    Offline: the main process has loaded it first, so a hub tokenizer is in the hub cache."""
+    return load_tokenizer(model, tokenizer_type, offline=True)
 
 
 class _Encoder:
@@ -88,12 +93,13 @@ def main() -> None:
     key = args.json_keys[0]
     try:
         if args.hf_dataset:
-            docs = iter_hf_dataset(args.hf_dataset, key, args.hf_subset, args.hf_split, args.streaming)
+            docs = iter_hf_dataset(args.hf_dataset, key, args.hf_subset, args.hf_split, args.streaming,
+                                   hf_hub_offline())
         else:
             docs = iter_documents(args.input, key)
         # A missing file or column fails here, in seconds, not after the tokenizer (megatron) loads.
         docs = itertools.chain([next(docs)], docs)
-        tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type)
+        tok = load_tokenizer(args.tokenizer_model, args.tokenizer_type, hf_hub_offline())
         fingerprint = tokenizer_fingerprint(args.tokenizer_model, args.tokenizer_type, tok)
         pathlib.Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
         encode = _Encoder(args.tokenizer_model, args.tokenizer_type)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _inputs import InputError, fail, iter_documents  # noqa: E402
 
+from loco_megatron.config import one_line  # noqa: E402
 from loco_megatron.data.tokenizer import HUGGINGFACE, TOKENIZER_TYPES, train_sentencepiece  # noqa: E402
 
 
@@ -57,8 +58,7 @@ def _train_sentencepiece(args) -> None:
         for ext in (".vocab", ".model"):  # the .model last: its presence means complete
             os.replace(tmp + ext, str(out) + ext)
     except RuntimeError as e:  # sentencepiece: e.g. vocabulary larger than the corpus allows
-        fail(errors[0] if errors else f"sentencepiece could not train on {', '.join(args.input)} "
-             f"({str(e).strip().splitlines()[-1][:160]})")
+        fail(errors[0] if errors else f"sentencepiece could not train on {', '.join(args.input)} ({one_line(e)})")
     finally:
         for ext in (".vocab", ".model"):
             pathlib.Path(tmp + ext).unlink(missing_ok=True)

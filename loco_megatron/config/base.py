@@ -11,6 +11,12 @@ class ConfigError(ValueError):
     """A bad flag or config value. The message names the flag."""
 
 
+def one_line(e: BaseException) -> str:
+    """``e``'s whole message on one line (line breaks and runs of spaces become one space),
+    or its type's name when it has none: a library's error shown in full, never cut."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 ALTERNATIVES = {"lr_warmup_iters": ("lr_warmup_fraction", None), "lr_warmup_fraction": ("lr_warmup_iters", 0)}
 """Flags that replace each other: setting one on the command line resets the other (to the
 given value) when it came from the config file."""

@@ -30,6 +30,10 @@ class DataConfig:
     """Where built-in corpus and dataset index caches go (None = ~/.cache/loco_megatron)."""
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained for the built-in corpus."""
+    dry_run_vocab_size: Optional[int] = None
+    """--dry-run only: the vocabulary of the tokenizer the config is meant for (e.g. LLaMA-3's
+    128256), used when no --tokenizer-model is given or it is not on this machine (a missing
+    path, a hub name offline), and printed as such. A real start always uses the tokenizer's own."""
     train_data_path: Optional[str] = None
     """Training data only (Megatron's form: PREFIX, 'P1 P2' or 'W1 P1 W2 P2'); with
     --valid-data-path, replaces --data-path and --split."""
@@ -43,6 +47,8 @@ class DataConfig:
                     f"{self.tokenizer_type} needs --data-path and --tokenizer-model "
                     "(the built-in corpus has its own sentencepiece tokenizer)")
         require(self.micro_batch_size > 0, "micro_batch_size", "must be positive")
+        require(self.dry_run_vocab_size is None or self.dry_run_vocab_size > 0, "dry_run_vocab_size",
+                "must be positive")
         require(self.global_batch_size > 0, "global_batch_size", "must be positive")
         parts = self.split.split(",")
         ok = len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)

@@ -27,16 +27,18 @@ class DataSources:
     """Blends of several prefixes (None: ``data_prefix`` alone)."""
 
 
-def resolve_data(config: Config, cache_dir: str, log: Optional[Callable[[str], None]] = None) -> DataSources:
+def resolve_data(config: Config, cache_dir: str, log: Optional[Callable[[str], None]] = None,
+                 offline: bool = False) -> DataSources:
     """The user's dataset and tokenizer (checked), or the built-in corpus (``log``: see
-    :func:`ensure_default_corpus`). Raises ConfigError."""
+    :func:`ensure_default_corpus`; ``offline``: HF_HUB_OFFLINE, a hub tokenizer is read from
+    the hub cache only). Raises ConfigError."""
     d = config.data
     if d.data_path is None and d.train_data_path is None:
         prefix, model = ensure_default_corpus(cache_dir, d.vocab_size, log)
     else:
         prefix, model = None, d.tokenizer_model
     blends = blends_from(d.data_path, d.train_data_path, d.valid_data_path, prefix)
-    tokenizer = load_tokenizer(model, d.tokenizer_type)
+    tokenizer = load_tokenizer(model, d.tokenizer_type, offline)
     for p in blends.prefixes:
         check_indexed_dataset(p, tokenizer, model, tokenizer_type=d.tokenizer_type)
     return DataSources(blends.prefixes[0], model, tokenizer, blends)

@@ -3,7 +3,8 @@ BPE, loading any HF tokenizer as a megatron-core tokenizer, and its fingerprint.
 
 ``--tokenizer-model`` is a local tokenizer folder (``tokenizer.json`` and, for the special
 tokens, ``tokenizer_config.json``), a ``tokenizer.json`` file (read with the folder it
-is in, so its ``tokenizer_config.json`` is seen), or a hub name (needs network). Ids are
+is in, so its ``tokenizer_config.json`` is seen), or a hub name (downloaded into the hub
+cache, or read from it offline; :mod:`.hub` says which arguments are local paths). Ids are
 those of megatron-core's ``HuggingFaceTokenizer`` (transformers' ``AutoTokenizer``, fast
 backend): the text's tokens only, no BOS/EOS template; training appends EOD = the
 tokenizer's ``eos_token`` to every document, so a tokenizer without one is refused.
@@ -18,7 +19,8 @@ import pathlib
 import shutil
 from typing import Iterable
 
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, one_line
+from loco_megatron.data.hub import hub_snapshot
 
 SPECIAL_TOKENS = (("bos_token", "<s>"), ("eos_token", "</s>"), ("pad_token", "<pad>"))
 """Special tokens of the byte-level BPE that :func:`train_byte_level_bpe` writes (ids 0, 1, 2)."""
@@ -66,9 +68,10 @@ def train_byte_level_bpe(texts: Iterable[str], out_dir: str, vocab_size: int) ->
     return str(out)
 
 
-def _local_source(model: str) -> str:
-    """What to hand to ``AutoTokenizer``: a folder, or a hub name. Raises ConfigError."""
-    p = pathlib.Path(model)
+def _local_source(model: str, offline: bool) -> str:
+    """What to hand to ``AutoTokenizer``: a local folder (a hub name's is its snapshot in the
+    hub cache; :mod:`.hub` decides which an argument is). Raises ConfigError / InputNotHere."""
+    p = pathlib.Path(model).expanduser()
     if p.is_file():
         if p.name != "tokenizer.json":
             raise ConfigError(f"--tokenizer-model: {model} is a file but not a tokenizer.json "
@@ -78,29 +81,27 @@ def _local_source(model: str) -> str:
         if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
             raise ConfigError(f"--tokenizer-model: {model} is a folder without tokenizer.json")
         return str(p)
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ConfigError(f"--tokenizer-model: {model} does not exist")
-    return model  # "org/name": a hub name
+    return hub_snapshot("--tokenizer-model", model, offline)  # load_tokenizer has ruled out a local path
 
 
-def load_hf_tokenizer(model: str):
-    """megatron-core's ``HuggingFaceTokenizer`` (through ``MegatronTokenizer``) over ``model``.
-    Raises ConfigError (one line) when it cannot be loaded or has no eos token."""
+def load_hf_tokenizer(model: str, offline: bool = False):
+    """megatron-core's ``HuggingFaceTokenizer`` (through ``MegatronTokenizer``) over ``model``
+    (``offline``: a hub name is read from the hub cache only). Raises ConfigError (one line,
+    InputNotHere when it is not on this machine) when it cannot be loaded or has no eos token."""
+    source = _local_source(model, offline)  # first: a hub name that cannot be had fails before the slow imports
     try:
         import tokenizers  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"--tokenizer-type: HuggingFaceTokenizer needs {e.name}: "
                           "pip install -r requirements.txt") from None
-    source = _local_source(model)
     from megatron.core.tokenizers import MegatronTokenizer
 
     try:
         tok = MegatronTokenizer.from_pretrained(tokenizer_path=source, metadata_path={"library": "huggingface"},
                                                 use_fast=True)
-    except Exception as e:  # ValueError wrapping OSError/HTTP errors, several lines long
-        raise ConfigError(f"--tokenizer-model: {model} is not a Hugging Face tokenizer (folder, tokenizer.json "
-                          f"or reachable hub name): {str(e).splitlines()[0][:160]}") from None
+    except Exception as e:  # megatron's ValueError around transformers' / tokenizers' own (several lines)
+        raise ConfigError(f"--tokenizer-model: {model} is not a Hugging Face tokenizer: {one_line(e)}") from None
     if tok.eod is None:
         raise ConfigError(f"--tokenizer-model: {model} defines no eos token (training ends every document with "
                           "it): set eos_token in its tokenizer_config.json")

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, one_line
 
 
 def token_dtype(vocab_size: int):
@@ -67,6 +67,13 @@ def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, pro
     return n_tokens
 
 
+def check_dataset_files(prefix: str) -> None:
+    """ConfigError (one line) unless ``prefix``.bin and ``prefix``.idx exist."""
+    for ext in (".bin", ".idx"):
+        if not pathlib.Path(prefix + ext).is_file():
+            raise ConfigError(f"--data-path: {prefix + ext} does not exist")
+
+
 def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str],
                           sample_tokens: int = 1 << 24, tokenizer_type: str = "SentencePieceTokenizer") -> None:
     """Raise ConfigError (one line naming the file) unless ``prefix`` is a readable
@@ -75,9 +82,7 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
     Face tokenizers: sentencepiece)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    for ext in (".bin", ".idx"):
-        if not pathlib.Path(prefix + ext).is_file():
-            raise ConfigError(f"--data-path: {prefix + ext} does not exist")
+    check_dataset_files(prefix)
     _check_index_file(prefix + ".idx")
     try:
         ds = IndexedDataset(prefix, mmap=True)
@@ -88,7 +93,7 @@ def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str]
             raise ValueError(f".bin holds {actual} bytes, the .idx describes {expected}")
         first = ds[0]
     except Exception as e:
-        raise ConfigError(f"--data-path: {prefix}.bin/.idx is corrupt ({str(e).splitlines()[0][:120]})") from None
+        raise ConfigError(f"--data-path: {prefix}.bin/.idx is corrupt ({one_line(e)})") from None
     meta_path = pathlib.Path(prefix + ".meta.json")
     if meta_path.is_file() and tokenizer_model is not None:
         from loco_megatron.data.tokenizer import tokenizer_fingerprint

@@ -7,7 +7,8 @@ import hashlib
 import pathlib
 from typing import Iterable
 
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, one_line
+from loco_megatron.data.hub import InputNotHere, missing_path
 
 
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int) -> str:
@@ -40,29 +41,43 @@ def tokenizer_fingerprint(model_path: str, tokenizer_type: str = SENTENCEPIECE, 
         from loco_megatron.data.hf_tokenizer import hf_fingerprint
 
         return hf_fingerprint(tokenizer if tokenizer is not None else load_tokenizer(model_path, tokenizer_type))
-    return hashlib.sha256(pathlib.Path(model_path).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(pathlib.Path(model_path).expanduser().read_bytes()).hexdigest()[:16]
 
 
-def load_tokenizer(model_path: str, tokenizer_type: str = SENTENCEPIECE):
+def check_tokenizer_path(model_path: str, tokenizer_type: str = SENTENCEPIECE) -> None:
+    """InputNotHere (one line, no network, nothing heavy imported) when the tokenizer is a local
+    path that does not exist: a sentencepiece model always is one; a Hugging Face tokenizer
+    argument when :func:`~loco_megatron.data.hub.local_path_reason` says so."""
+    if tokenizer_type == HUGGINGFACE:
+        missing = missing_path("--tokenizer-model", model_path)
+        if missing is not None:
+            raise missing
+    elif not pathlib.Path(model_path).expanduser().exists():
+        raise InputNotHere(f"--tokenizer-model: {model_path} does not exist")
+
+
+def load_tokenizer(model_path: str, tokenizer_type: str = SENTENCEPIECE, offline: bool = False):
     """A megatron-core ``MegatronTokenizer`` over the sentencepiece model at ``model_path``, or
-    (``HuggingFaceTokenizer``) over the Hugging Face tokenizer it names. Raises ConfigError."""
+    (``HuggingFaceTokenizer``) over the Hugging Face tokenizer it names (``offline``: a hub
+    name is read from the hub cache only). Raises ConfigError, InputNotHere (a subclass)
+    when the tokenizer is not on this machine."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ConfigError(f"--tokenizer-type: '{tokenizer_type}' is not one of {', '.join(TOKENIZER_TYPES)}")
+    check_tokenizer_path(model_path, tokenizer_type)
     if tokenizer_type == HUGGINGFACE:
         from loco_megatron.data.hf_tokenizer import load_hf_tokenizer
 
-        return load_hf_tokenizer(model_path)
-    if tokenizer_type != SENTENCEPIECE:
-        raise ConfigError(f"--tokenizer-type: '{tokenizer_type}' is not one of {', '.join(TOKENIZER_TYPES)}")
-    p = pathlib.Path(model_path)
+        return load_hf_tokenizer(model_path, offline)
+    p = pathlib.Path(model_path).expanduser()
+    hf_hint = f"(for a Hugging Face tokenizer add --tokenizer-type {HUGGINGFACE})"
     if p.is_dir():  # e.g. a Hugging Face tokenizer folder: say so rather than "does not exist"
-        raise ConfigError(f"--tokenizer-model: {model_path} is a directory, not a sentencepiece .model file "
-                          f"(for a Hugging Face tokenizer folder add --tokenizer-type {HUGGINGFACE})")
-    if not p.is_file():
-        raise ConfigError(f"--tokenizer-model: {model_path} does not exist")
+        raise ConfigError(f"--tokenizer-model: {model_path} is a directory, not a sentencepiece .model file {hf_hint}")
+    if p.suffix == ".json":
+        raise ConfigError(f"--tokenizer-model: {model_path} is a JSON file, not a sentencepiece .model file {hf_hint}")
     from megatron.core.tokenizers import MegatronTokenizer
 
     try:
         return MegatronTokenizer.from_pretrained(tokenizer_path=str(p),
                                                  metadata_path={"library": "sentencepiece"})
-    except Exception as e:  # sentencepiece raises RuntimeError/OSError with long messages
-        raise ConfigError(f"--tokenizer-model: {model_path} is not a sentencepiece model "
-                          f"({str(e).splitlines()[0][:120]})") from None
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError naming its C++ source line
+        raise ConfigError(f"--tokenizer-model: {model_path} is not a sentencepiece model ({one_line(e)})") from None

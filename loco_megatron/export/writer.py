@@ -51,11 +51,11 @@ def check_out_dir(out: pathlib.Path) -> None:
 
 
 def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: pathlib.Path,
-                 tokenizer_type: str | None = None) -> ExportSummary:
+                 tokenizer_type: str | None = None, offline: bool = False) -> ExportSummary:
     """Export ``load`` (SAVE root or iter_N folder) to the new folder ``out``.
 
     ``tokenizer_model``/``tokenizer_type``: the run's tokenizer (None: the one its saved config
-    names); a Hugging Face one is written as its own files (same ids as in training), a
+    names; ``offline``: HF_HUB_OFFLINE, a hub name is read from the hub cache only); a Hugging Face one is written as its own files (same ids as in training), a
     sentencepiece one converted (see :mod:`loco_megatron.export.tokenizer`).
 
     Writes ``model.safetensors``, ``config.json``, ``generation_config.json`` and the
@@ -75,7 +75,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     tok_type = tokenizer_type or saved.data.tokenizer_type
     tok_path = pathlib.Path(tokenizer_model) if tokenizer_model else default_tokenizer_path(saved, cache_home)
     if tok_type == HUGGINGFACE:
-        hf_tok = load_tokenizer(tokenizer_model or saved.data.tokenizer_model, HUGGINGFACE)
+        hf_tok = load_tokenizer(tokenizer_model or saved.data.tokenizer_model, HUGGINGFACE, offline)
         pieces, special_ids = hf_tok.vocab_size, hf_special_token_ids(hf_tok)
     else:
         if not tok_path.is_file():

@@ -58,7 +58,7 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     check_start(config, env.world_size)
     check_replicas(config, env.world_size, config.loco.loco_ranks_per_node or env.local_world_size)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
-    sources = resolve_data(config, cache_dir, _rank0_print(env.rank == 0))
+    sources = resolve_data(config, cache_dir, _rank0_print(env.rank == 0), env.hf_hub_offline)
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
     precheck.check_save_target(precheck.find_resume_dir())  # bad --load/--save: fail before any set-up
 
