@@ -1,6 +1,6 @@
 """pretrain_gpt.py under Megatron-FSDP with the FSDP hook's collectives recorded and
-randomly delayed (as tests/record_collectives.py), the compressed buckets' shard sizes
-printed (``SHARDS rank=R numel=n1,n2,...``) and, before every step after the
+randomly delayed (as tests/record_collectives.py), the compressed buckets' shard and
+bucket sizes printed (``SHARDS rank=R numel=n1,n2,... buckets=b1,b2,...``) and, before every step after the
 first, a check that every HSDP replica holds bit-identical parameter shards: each rank
 compares its local shards with the ranks of its outer (cross-node) group and prints
 ``REPLICAS rank=R iter=I identical=B`` (one write per line), and the number of
@@ -35,8 +35,11 @@ class CheckedFsdpHook(FsdpGradHook):
     def __init__(self, chunks, loco, stats, ops):
         self._chunks, self._it = chunks, 0
         super().__init__(chunks, loco, stats, ops=ops)
-        sizes = [self._gbuf(int(k[len("fsdp.bucket"):])).data.numel() for k in self.compressors]
-        os.write(1, f"SHARDS rank={dist.get_rank()} numel={','.join(map(str, sizes))}\n".encode())
+        ids = [int(k[len("fsdp.bucket"):]) for k in self.compressors]
+        sizes = [self._shard(i).numel() for i in ids]
+        buckets = [self._gbuf(i).bucket_index.size for i in ids]
+        os.write(1, f"SHARDS rank={dist.get_rank()} numel={','.join(map(str, sizes))} "
+                    f"buckets={','.join(map(str, buckets))}\n".encode())
 
     @property
     def iteration(self) -> int:
