@@ -160,18 +160,20 @@ def test_one_rank_fsdp_gradient_is_the_batch_mean(cache_dir, tmp_path, uncompres
     assert all(_grad_norms(metrics)[i] == pytest.approx(_grad_norms(uncompressed)[i], rel=1e-4) for i in (1, 2))
 
 
-def test_no_parameter_all_gather_left_in_flight_on_cpu(compressed):
-    """Guards against the heap corruption Megatron-FSDP caused on CPU (``malloc(): unaligned
-    tcache chunk detected`` / SIGSEGV in a gloo worker thread, in about one 300-step run of
-    two, also with no LoCo hook): megatron's overlapped parameter all-gathers - started at
-    the end of ``optimizer.step()`` for the next forward, prefetched in the backward - left
-    running on gloo's threads while the host went on. With
-    ``platform.megatron_fsdp_synchronous_param_gather`` every gather has completed when
-    megatron's call returns, so after each optimizer step megatron holds no asynchronous
-    gather handle on any rank (without it, every rank holds some after every step)."""
+def test_parameter_gathers_overlap_on_cpu_and_deliver_the_gathered_weights(compressed):
+    """Guards against the CPU run not exercising the path a GPU runs - Megatron-FSDP's
+    overlapped parameter all-gathers (issued at the end of ``optimizer.step()`` for the next
+    forward and prefetched, waited for in its pre-hooks), which were made synchronous on CPU
+    before - and against the staging that keeps them off megatron's memory
+    (``platform.megatron_fsdp_staged_param_gather``) losing or misplacing a gather: after
+    every optimizer step every rank holds asynchronous gathers in flight, and once
+    megatron's own wait has finished them each bucket equals a synchronous all-gather of
+    the shards."""
     proc, _, _ = compressed
     gathers = re.findall(r"GATHERS rank=(\d) iter=(\d+) in_flight=(\d+)", proc.stdout)
-    assert len(gathers) == 4 * 3 and all(n == "0" for _, _, n in gathers), gathers
+    assert len(gathers) == 4 * 3 and all(int(n) > 0 for _, _, n in gathers), gathers
+    checked = re.findall(r"GATHERED rank=(\d) iter=(\d+) buckets=(\d+) equal=(\w+)", proc.stdout)
+    assert len(checked) == 4 * 3 and all(int(n) > 0 and same == "True" for _, _, n, same in checked), checked
 
 
 def test_resume_is_bit_exact(cache_dir, tmp_path, compressed):
