@@ -206,7 +206,7 @@ def _megatron_fsdp(config: Config, tconf, model, device: torch.device):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from loco_megatron.platform import megatron_fsdp_compat, megatron_fsdp_synchronous_param_gather
+    from loco_megatron.platform import megatron_fsdp_compat, megatron_fsdp_staged_param_gather
 
     p = config.parallel
     ddp_config = DistributedDataParallelConfig(
@@ -219,7 +219,7 @@ def _megatron_fsdp(config: Config, tconf, model, device: torch.device):
     )
     with megatron_fsdp_compat(device):
         fsdp = FullyShardedDataParallel(config=tconf, ddp_config=ddp_config, module=model, device=device)
-    megatron_fsdp_synchronous_param_gather(fsdp, device)
+    megatron_fsdp_staged_param_gather(fsdp, device)
     return fsdp
 
 

@@ -28,8 +28,8 @@ Two fixes apply on every host (:func:`megatron_fixes`):
 Everything patched is restored when the context exits.
 
 Megatron-FSDP on CPU: :func:`megatron_fsdp_compat` while it is built, and
-:func:`megatron_fsdp_synchronous_param_gather` on the built instance (its parameter
-all-gathers waited for as they are issued: overlapped gloo all-gathers corrupted the heap).
+:func:`megatron_fsdp_staged_param_gather` on the built instance (its overlapped parameter
+all-gathers, as on a GPU, each gloo gather working on memory only it holds).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "megatron_fsdp_compat",
-           "megatron_fsdp_synchronous_param_gather", "platform_context"]
+           "megatron_fsdp_staged_param_gather", "platform_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,34 +252,47 @@ def megatron_fsdp_compat(device: torch.device) -> Iterator[None]:
         yield
 
 
-def megatron_fsdp_synchronous_param_gather(fsdp: Any, device: torch.device) -> None:
-    """On CPU, every parameter all-gather of this Megatron-FSDP model (``fsdp``: megatron's
-    ``FullyShardedDataParallel``) has completed when megatron's call returns; on CUDA a no-op.
+def megatron_fsdp_staged_param_gather(fsdp: Any, device: torch.device) -> None:
+    """On CPU, this Megatron-FSDP model's (``fsdp``: megatron's ``FullyShardedDataParallel``)
+    parameter all-gathers stay overlapped as on a GPU - issued asynchronously (coalesced per
+    bucket group, prefetched), waited for in its forward / backward pre-hooks - with each gloo
+    gather staged: it reads a copy of the shard and writes a tensor only it holds, copied into
+    megatron's bucket when megatron waits for that bucket. On CUDA a no-op.
 
-    Why: with ``optim_grads_params`` Megatron-FSDP forces ``overlap_param_gather`` and issues
-    its parameter all-gathers with ``async_op`` (coalesced, one per bucket group): at the end
-    of ``optimizer.step()`` it starts gathering every bucket for the next forward and waits
-    for each only in that bucket's forward pre-hook, and the backward pre-hooks prefetch the
-    same way. On a GPU those gathers run on NCCL's stream. Under gloo they run on the process
-    group's worker threads while the host goes on (logging, checkpointing, the next step's
-    reduce-scatters), several of them at once on the same group, and the heap ended up
-    corrupted now and then (``malloc(): unaligned tcache chunk detected`` or SIGSEGV, raised
-    in a gloo worker thread; 5 of 6 300-step runs; docs/fsdp.md). Megatron's own
-    ``async_param_gather=False`` is passed instead (this instance only, nothing global):
-    the same pipeline, buckets, prefetch and order, each coalesced all-gather waited for as
-    it is issued."""
+    Why: under gloo a collective runs on the process group's worker threads while the host
+    goes on. Unstaged, the gather writes megatron's bucket (storage megatron resizes to 0 when
+    it releases the bucket, whose views are the layer's parameters) and reads its live
+    weight shard from another thread; staged, no worker thread touches memory megatron
+    owns, and megatron sees the gathered values after its own wait, as on a GPU. The cost
+    on CPU: one copy of each gathered bucket and of each shard in flight (docs/fsdp.md)."""
     if device.type == "cuda":
         return
     pipeline = fsdp.module.all_gather_pipeline
-    gather = pipeline.all_gather_params
-    signature = inspect.signature(gather)
+    issue, wait = pipeline.async_bucket_gather, pipeline.wait_bucket_ready
+    all_gather = torch.distributed.all_gather_into_tensor
+    staged: dict = {}  # bucket key -> (megatron's bucket, the tensor its gather writes)
 
-    def all_gather_params_synchronously(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["async_param_gather"] = False
-        return gather(*bound.args, **bound.kwargs)
+    def async_bucket_gather(bucket_id, bwd):
+        key = pipeline.get_bucket_key(bucket_id, bwd)
 
-    pipeline.all_gather_params = all_gather_params_synchronously
+        def gather_staged(output_tensor, input_tensor, group=None, async_op=False):
+            stage = torch.empty_like(output_tensor)
+            staged[key] = (output_tensor, stage)
+            return all_gather(stage, input_tensor.clone(), group=group, async_op=async_op)
+
+        with contextlib.ExitStack() as stack:  # megatron's one all-gather call in this method
+            _patch(stack, torch.distributed, "all_gather_into_tensor", gather_staged)
+            return issue(bucket_id, bwd)
+
+    def wait_bucket_ready(bucket_id, bwd, empty_ok=False):
+        ready = wait(bucket_id, bwd, empty_ok)
+        pair = staged.pop(pipeline.get_bucket_key(bucket_id, bwd), None)
+        if pair is not None:  # the gather has completed: megatron's wait returned
+            pair[0].copy_(pair[1])
+        return ready
+
+    pipeline.async_bucket_gather = async_bucket_gather
+    pipeline.wait_bucket_ready = wait_bucket_ready
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
 """pretrain_gpt.py under Megatron-FSDP with the FSDP hook's collectives recorded and
-randomly delayed (as tests/record_collectives.py), the compressed buckets' shard sizes
-printed (``SHARDS rank=R numel=n1,n2,...``) and, before every step after the
+randomly delayed (as tests/record_collectives.py), the compressed buckets' shard and
+bucket sizes printed (``SHARDS rank=R numel=n1,n2,... buckets=b1,b2,...``) and, before every step after the
 first, a check that every HSDP replica holds bit-identical parameter shards: each rank
 compares its local shards with the ranks of its outer (cross-node) group and prints
-``REPLICAS rank=R iter=I identical=B`` (one write per line), and the number of
+``REPLICAS rank=R iter=I identical=B`` (one write per line), the number of
 asynchronous parameter all-gather handles Megatron-FSDP still holds when the previous
-optimizer step has returned (``GATHERS rank=R iter=I in_flight=N``)."""
+optimizer step has returned (``GATHERS rank=R iter=I in_flight=N``) and, once megatron's
+own wait has finished those gathers, whether each bucket holds what a synchronous
+all-gather of the shards gives (``GATHERED rank=R iter=I buckets=N equal=B``)."""
 
 import json
 import os
@@ -25,18 +27,38 @@ from record_collectives import recording_ops
 
 def gathers_in_flight(chunks) -> int:
     """Work handles of asynchronous (coalesced) parameter all-gathers that Megatron-FSDP's
-    all-gather pipeline holds and has not waited for: 0 when every gather was synchronous
-    (``loco_megatron.platform.megatron_fsdp_synchronous_param_gather``)."""
+    all-gather pipeline holds and has not waited for: 0 when every gather is synchronous."""
     return sum(len(getattr(event, "works", ())) for chunk in chunks
                for event, _ in chunk.module.all_gather_pipeline.param_gather_event_map.values())
+
+
+def finish_and_check_gathers(chunks) -> tuple[int, bool]:
+    """Waits, through megatron's ``wait_bucket_ready``, for every parameter all-gather in
+    flight and compares each bucket with a synchronous all-gather of the same shards:
+    (buckets checked, all equal)."""
+    checked, equal = 0, True
+    for chunk in chunks:
+        pipeline = chunk.module.all_gather_pipeline
+        for bucket_id, bwd in sorted(pipeline.param_gather_event_map):  # the same buckets on every rank
+            pipeline.wait_bucket_ready(bucket_id, bwd)
+            wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
+            got = wbuf.fetch_bucket().data
+            want = torch.empty_like(got)
+            dist.all_gather_into_tensor(want, wbuf.get_shard_from_local_buffer().clone(),
+                                        group=wbuf.data_parallel_group)
+            checked, equal = checked + 1, equal and torch.equal(got, want)
+    return checked, equal
 
 
 class CheckedFsdpHook(FsdpGradHook):
     def __init__(self, chunks, loco, stats, ops):
         self._chunks, self._it = chunks, 0
         super().__init__(chunks, loco, stats, ops=ops)
-        sizes = [self._gbuf(int(k[len("fsdp.bucket"):])).data.numel() for k in self.compressors]
-        os.write(1, f"SHARDS rank={dist.get_rank()} numel={','.join(map(str, sizes))}\n".encode())
+        ids = [int(k[len("fsdp.bucket"):]) for k in self.compressors]
+        sizes = [self._shard(i).numel() for i in ids]
+        buckets = [self._gbuf(i).bucket_index.size for i in ids]
+        os.write(1, f"SHARDS rank={dist.get_rank()} numel={','.join(map(str, sizes))} "
+                    f"buckets={','.join(map(str, buckets))}\n".encode())
 
     @property
     def iteration(self) -> int:
@@ -47,7 +69,10 @@ class CheckedFsdpHook(FsdpGradHook):
         self._it = value
         if value == 0:
             return
-        os.write(1, f"GATHERS rank={dist.get_rank()} iter={value} in_flight={gathers_in_flight(self._chunks)}\n".encode())
+        rank = dist.get_rank()
+        os.write(1, f"GATHERS rank={rank} iter={value} in_flight={gathers_in_flight(self._chunks)}\n".encode())
+        checked, equal = finish_and_check_gathers(self._chunks)
+        os.write(1, f"GATHERED rank={rank} iter={value} buckets={checked} equal={equal}\n".encode())
         if self._outer is None:
             return
         local = [p.to_local() if hasattr(p, "to_local") else p for c in self._chunks for p in c.parameters()]

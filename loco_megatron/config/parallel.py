@@ -47,8 +47,9 @@ class ParallelConfig:
     (``FullyShardedDataParallel``) instead of its DDP; needs the distributed optimizer."""
     data_parallel_sharding_strategy: str = "optim_grads_params"
     """With --use-megatron-fsdp, what is sharded over the data-parallel (within a node, under
-    HSDP) ranks: optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3; the default
-    here, Megatron-LM's is no_shard) or no_shard."""
+    HSDP) ranks: optim (ZeRO-1), optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3; the default
+    here, Megatron-LM's is no_shard, which megatron-core 0.16.1's Megatron-FSDP cannot train:
+    refused)."""
     num_distributed_optimizer_instances: int = 1
     """With --use-megatron-fsdp: > 1 is HSDP, the model sharded inside each of this many
     groups of data-parallel ranks and replicated across them; it must be the number of nodes
@@ -88,6 +89,16 @@ class ParallelConfig:
                          f"{why} (--{name.replace('_', '-')} > 1) is not supported with it in loco-megatron")
             require(not self.overlap_param_gather, "use_megatron_fsdp",
                      "--overlap-param-gather is the DDP path's; Megatron-FSDP gathers layer by layer itself")
+            # megatron-core 0.16.1 (docs/fsdp.md): no_shard fails at its first optimizer step
+            # (start_param_sync gathers a weight buffer no_shard does not build; under HSDP the
+            # optimizer's DTensors carry one placement for a 2-D mesh).
+            require(self.data_parallel_sharding_strategy != "no_shard", "data_parallel_sharding_strategy",
+                     "no_shard does not train under megatron-core 0.16.1's Megatron-FSDP (its first optimizer "
+                     "step fails); use optim (unsharded weights and gradients) or leave out --use-megatron-fsdp")
+            require(self.overlap_grad_reduce, "overlap_grad_reduce",
+                     "is needed with --use-megatron-fsdp: Megatron-FSDP reduces gradients in its backward hooks "
+                     "(megatron-core 0.16.1 ignores --no-overlap-grad-reduce for optim_grads(_params) and with "
+                     "optim reduces the gradients a second time after the backward)")
         require(self.context_parallel_size == 1, "context_parallel_size",
                  "is not supported: megatron-core 0.16 implements context parallelism only in TransformerEngine's "
                  "attention, and loco-megatron does not split the batches' sequences across CP ranks")

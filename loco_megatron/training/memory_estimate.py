@@ -31,11 +31,12 @@ CUDA context and allocator fragmentation (add ~5-10%).
 With --use-megatron-fsdp (data parallelism only) the sharding group is DP /
 --num-distributed-optimizer-instances ranks, and --data-parallel-sharding-strategy says what
 it shards: ``optim`` the optimizer state, ``optim_grads`` also the gradients,
-``optim_grads_params`` also the weights (``no_shard`` nothing). A sharded part costs its
+``optim_grads_params`` also the weights (``no_shard`` is refused). A sharded part costs its
 full size / group size, plus, for weights and gradients, the unsharded units in flight:
 two FSDP units (a transformer layer or the embedding, whichever is larger: the one computed
-and the one prefetched) of weights, one of gradients. The LoCo error is per shard (HSDP's
-cross-node reduction compresses the rank's shard only, docs/fsdp.md).
+and the one prefetched) of weights, one of gradients. The LoCo error is per shard under
+every strategy (HSDP's cross-node reduction compresses the rank's shard only, also where
+the gradient buffer holds whole buckets, docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _fsdp_parts(config: Config, here: float, dp: int, vocab: int, weight_bytes: 
     return {
         "weights": weight_bytes * (shard_elements + 2 * unit) if shards_weights else weight_bytes * here,
         "grads": grad_bytes * (shard_elements + unit) if shards_grads else grad_bytes * here,
-        "optimizer": optimizer_bytes * (here if strategy == "no_shard" else shard_elements),
+        "optimizer": optimizer_bytes * shard_elements,
         "loco_error": shard_elements * (1 + 4 / lc.loco_block_size) if lc.loco_bits else 0,
     }
 

@@ -4,13 +4,24 @@ Megatron-FSDP (``FullyShardedDataParallel`` over ``MegatronFSDP``) reduces gradi
 bucket group in ``GradReducePipeline._bucket_group_gradient_reduce``: a reduce-scatter
 over the sharding group (every micro-batch, with gradient sharding) and, with HSDP
 (``--num-distributed-optimizer-instances`` > 1) on the last micro-batch of a step, an
-all-reduce of each bucket's reduced shard (``main_grad_buffer.data``, this rank's ``N/R``
-elements) over the outer group - the ranks holding the same shard on the other nodes.
+all-reduce of each bucket's reduced shard over the outer group - the ranks holding the
+same shard on the other nodes. The shard is this rank's ``N/R`` elements of the bucket
+(``main_grad_buffer.get_shard_from_local_buffer()``): the whole ``main_grad_buffer.data``
+when the buffer is sharded (``optim_grads``, ``optim_grads_params``), a slice of it when
+it is not (``optim``, or any strategy over a sharding group of one rank: the buffer then
+holds the whole bucket, where megatron accumulates the step's unreduced gradient).
 
 :class:`FsdpGradHook` replaces that method *on the pipeline instance* (never on the class):
 
-* LoCo off (or warm-up): megatron's own method runs unchanged (bit-identical) and is
-  timed and counted;
+* sharded buffer, LoCo off (or warm-up): megatron's own method runs unchanged
+  (bit-identical) and is timed and counted;
+* unsharded buffer: megatron-core 0.16.1 adds the reduced shard onto the unreduced one it
+  was computed from (the shard is a slice of the reduce-scatter's own input), and with a
+  reduction every micro-batch (a sharding group of one rank) it rescales the accumulating
+  bucket each time; megatron's method runs once per step, on the last micro-batch, with
+  its reduced shard written to a separate zeroed tensor that then replaces the shard, and
+  the outer reduction, of the shard only, is this hook's (uncompressed: an all-reduce of
+  the shard, never of the whole bucket);
 * LoCo on, on the step's outer reduction: megatron's method runs with the outer reduction
   turned off (the intra-node reduce-scatter at full precision, megatron's own), then
   each bucket's shard is compensated with its own error buffer (the shard's size:
@@ -28,6 +39,7 @@ An outer group of one rank (a single node) sends nothing: megatron's path, 0 byt
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Callable, Optional
 
@@ -36,9 +48,10 @@ import torch.distributed as dist
 
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayout, compressed_all_gather_sum,
-                                            decompress_into, gathered_layout)
+                                            gathered_layout)
 from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
 from loco_megatron.loco.hooks.version import check_megatron_core_version
+from loco_megatron.loco.kernel_choice import decompressor
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.metrics.comm import CommStats
@@ -67,6 +80,7 @@ class FsdpGradHook:
         self.iteration = 0
         """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
         fsdp = chunks[0].module  # MegatronFSDP
+        self._fsdp = fsdp
         self._pipeline = fsdp.grad_reduce_pipeline
         self._buffer = self._pipeline.buffer
         self._ddp_config = fsdp.ddp_config
@@ -75,25 +89,22 @@ class FsdpGradHook:
         self._rpn = loco.loco_ranks_per_node or dist.get_world_size()
         # "auto" is resolved by the trainer (it knows the device); torch when used directly.
         self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
-        self._decompress = decompress_into
-        if self._kernels == "triton":
-            from loco_megatron.loco import triton_kernels
-
-            self._decompress = triton_kernels.decompress_sum
-        elif self._kernels == "cpu":
-            from loco_megatron.loco import cpu_kernels
-
-            self._decompress = cpu_kernels.decompress_sum
+        self._decompress = decompressor(self._kernels)
         self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
                                      loco.loco_quant_seed)
         self._workspace = Workspace()
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}
         self._padding: dict[int, list[tuple[int, int]]] = {}  # bucket -> shard ranges holding no parameter
+        gbufs = [g.main_grad_buffer for g in self._buffer.parameter_groups if g.main_grad_buffer is not None]
+        # One sharding group for every bucket (no expert parameters), so all or none are sharded.
+        assert len({g.is_data_distributed for g in gbufs}) <= 1
+        self._unsharded = bool(gbufs) and not gbufs[0].is_data_distributed
+        """The gradient buffers hold whole buckets (see the module doc)."""
         if loco.enabled and self._outer is not None and self._outer.size() > 1:
             for i, group in enumerate(self._buffer.parameter_groups):
                 if group.main_grad_buffer is not None:
-                    self._make_compressor(f"fsdp.bucket{i}", group.main_grad_buffer.data)
+                    self._make_compressor(f"fsdp.bucket{i}", self._shard(i))
                     self._padding[i] = _padding_ranges(group.main_grad_buffer)
         self._original = self._pipeline._bucket_group_gradient_reduce  # the bound megatron method
         self._pipeline._bucket_group_gradient_reduce = self._reduce
@@ -121,14 +132,28 @@ class FsdpGradHook:
     def _gbuf(self, bucket_id: int):
         return self._buffer.parameter_groups[bucket_id].main_grad_buffer
 
+    def _shard(self, bucket_id: int) -> torch.Tensor:
+        """This rank's reduced shard of the bucket: ``[N/R]``, the gradient buffer's dtype."""
+        return self._gbuf(bucket_id).get_shard_from_local_buffer()
+
+    def _on_reduce_stream(self):
+        """Megatron's reduce-scatter stream (on GPU): what follows its reduction runs after it."""
+        rs_stream = self._pipeline.rs_stream
+        if rs_stream is not None and torch.cuda.is_available():
+            return torch.cuda.stream(rs_stream)
+        return contextlib.nullcontext()
+
     def _reduce(self, bucket_group: list, async_op: bool = False, outer_fsdp_group_grad_reduce: bool = False):
         compress = outer_fsdp_group_grad_reduce and self._compressing()
         start = self.clock.mark()
-        out = self._original(bucket_group, async_op=async_op,
-                             outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce and not compress)
-        self._count_inner(bucket_group)
-        if outer_fsdp_group_grad_reduce and not compress:
-            self._count_outer_uncompressed(bucket_group)
+        if self._unsharded:
+            out = self._reduce_unsharded(bucket_group, async_op, outer_fsdp_group_grad_reduce, compress)
+        else:
+            out = self._original(bucket_group, async_op=async_op,
+                                 outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce and not compress)
+            self._count_inner(bucket_group)
+            if outer_fsdp_group_grad_reduce and not compress:
+                self._count_outer_uncompressed(bucket_group)
         if compress:  # the compressed replica reduction runs once backward is over
             self._pending.extend(bucket_group)
         end = self.clock.mark()
@@ -136,17 +161,53 @@ class FsdpGradHook:
         self.stats.add_interval("grad_sync_exposed", start, end)
         return out
 
+    def _reduce_unsharded(self, bucket_group: list, async_op: bool, outer: bool, compress: bool):
+        """Megatron's reduction of buckets whose gradient buffer holds the whole bucket (see
+        the module doc): once per step, the reduced shard replacing the unreduced one."""
+        if not (getattr(self._fsdp, "is_last_microbatch", False) or self._fsdp.model_auto_sync):
+            # A sharding group of one rank reducing every micro-batch: the bucket keeps
+            # accumulating in place; nothing is sent, the parameters are only marked done
+            # (as megatron's bucket release does).
+            for bucket_id in bucket_group:
+                self._pipeline.bucket_grad_ready_params[bucket_id] = set()
+            return True
+        gbufs = [self._gbuf(b) for b in bucket_group]
+        sinks = [torch.zeros_like(self._shard(b)) for b in bucket_group]
+        for gbuf, sink in zip(gbufs, sinks):  # where megatron adds its reduced shard
+            gbuf.get_shard_from_local_buffer = lambda sink=sink: sink
+        try:
+            out = self._original(bucket_group, async_op=async_op, outer_fsdp_group_grad_reduce=False)
+        finally:
+            for gbuf in gbufs:
+                del gbuf.get_shard_from_local_buffer
+        self._count_inner(bucket_group)
+        plain_outer = outer and not compress and self._outer is not None and self._outer.size() > 1
+        op = dist.ReduceOp.AVG if self._ddp_config.average_in_collective else dist.ReduceOp.SUM
+        with self._on_reduce_stream():  # after megatron's reduce-scatter, in stream order
+            for bucket_id, sink in zip(bucket_group, sinks):
+                shard = self._shard(bucket_id)
+                shard.copy_(sink)
+                if sink.is_cuda:
+                    sink.record_stream(torch.cuda.current_stream())
+                if plain_outer:
+                    self.ops.all_reduce(shard, op=op, group=self._outer)
+        if plain_outer:
+            self._count_outer_uncompressed(bucket_group)
+        return out
+
     def _synchronize_gradient_reduce(self) -> None:
         """megatron's wait for every bucket's (intra-node) reduction, then LoCo's cross-node
         reduction of every bucket the step marked, in marking order (the same on every rank:
         megatron's backward hooks issue buckets in program order)."""
         self._original_sync()
+        rs_stream = self._pipeline.rs_stream
+        if rs_stream is not None and torch.cuda.is_available():
+            # The shards are accumulated (and, unsharded, installed and reduced) there;
+            # megatron's own wait covers its events, recorded before this hook's work.
+            torch.cuda.current_stream().wait_stream(rs_stream)
         if not self._pending:
             return
         start = self.clock.mark()
-        rs_stream = self._pipeline.rs_stream
-        if rs_stream is not None and torch.cuda.is_available():
-            torch.cuda.current_stream().wait_stream(rs_stream)  # the shards are accumulated there
         pending, self._pending = self._pending, []
         for bucket_id in pending:
             self._loco_outer(bucket_id)
@@ -155,7 +216,7 @@ class FsdpGradHook:
         self.stats.add_interval("grad_sync_exposed", start, end)
 
     def _count_inner(self, bucket_group: list) -> None:
-        """Megatron's reduce-scatter (all-reduce with no_shard) over the sharding group:
+        """Megatron's reduce-scatter over the sharding group:
         every bucket handed at its dtype."""
         for bucket_id in bucket_group:
             gbuf = self._gbuf(bucket_id)
@@ -167,18 +228,19 @@ class FsdpGradHook:
             self.stats.add_hop_bytes(*node_split(dist.get_process_group_ranks(group), self._rpn, nbytes))
 
     def _count_outer_uncompressed(self, bucket_group: list) -> None:
+        """The all-reduce of each bucket's shard over the outer group."""
         if self._outer.size() == 1:
             return
         ranks = dist.get_process_group_ranks(self._outer)
         for bucket_id in bucket_group:
-            data = self._gbuf(bucket_id).data
+            data = self._shard(bucket_id)
             nbytes = data.numel() * data.element_size()
             self.stats.add_bytes(nbytes, nbytes, compressed=False)
             self.stats.add_hop_bytes(*node_split(ranks, self._rpn, nbytes))
 
     def _loco_outer(self, bucket_id: int) -> None:
         key = f"fsdp.bucket{bucket_id}"
-        shard = self._gbuf(bucket_id).data
+        shard = self._shard(bucket_id)
         # megatron's padding holds whatever its reduce-scatter left there (uninitialised
         # memory): zeroed, so it cannot enter a block's scale or the error buffer.
         for a, b in self._padding[bucket_id]:
@@ -225,17 +287,21 @@ class FsdpGradHook:
 
 
 def _padding_ranges(gbuf) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges of ``gbuf.data`` (this rank's shard) that belong to no parameter."""
+    """``[start, end)`` ranges of this rank's shard of ``gbuf`` that belong to no parameter
+    (offsets into the shard; megatron's item offsets are into ``gbuf.data``, which starts at
+    the shard only when the buffer is sharded)."""
+    base, size = gbuf.shard_bucket_index.local_data_index, gbuf.shard_bucket_index.size
     used = sorted(gbuf._get_item_local_shard_index(i) for i in gbuf.item_index_map)
     ranges, pos = [], 0
     for a, b in used:
         if a == b:
             continue
+        a, b = a - base, b - base
         if a > pos:
             ranges.append((pos, a))
         pos = max(pos, b)
-    if pos < gbuf.data.numel():
-        ranges.append((pos, gbuf.data.numel()))
+    if pos < size:
+        ranges.append((pos, size))
     return ranges
 
 
