@@ -267,6 +267,9 @@ def megatron_fsdp_staged_param_gather(fsdp: Any, device: torch.device) -> None:
     on CPU: one copy of each gathered bucket and of each shard in flight (docs/fsdp.md)."""
     if device.type == "cuda":
         return
+    from loco_megatron.loco.hooks.version import check_megatron_core_version
+
+    check_megatron_core_version()  # megatron's all-gather pipeline internals, as the hooks' checks
     pipeline = fsdp.module.all_gather_pipeline
     issue, wait = pipeline.async_bucket_gather, pipeline.wait_bucket_ready
     all_gather = torch.distributed.all_gather_into_tensor
