@@ -91,7 +91,7 @@ def test_mid_interval_resume_is_bit_exact(saves, tmp_path):
         (out_a, ref), (out_b, resumed) = saves[f"{fmt}_ref"], saves[f"{fmt}_same"]
         a, b = train_losses(ref), train_losses(resumed)
         assert sorted(b) == [5, 6] and all(a[i] == b[i] for i in b), (fmt, a, b)
-        assert "re-seeded" not in out_b and "DiLoCo:" not in out_b.replace("DiLoCo: 2 replicas", ""), out_b[-2000:]
+        assert "re-seeded" not in out_b and "DiLoCo:" not in out_b.replace("DiLoCo: 2 replicas of", ""), out_b[-2000:]
     saved = torch.load(root / "torch" / "iter_0000004" / "rank_00000.pt", weights_only=False)["diloco"]
     assert list(saved["per_rank"]["pending"]) == ["opt0.fragment1"], saved["per_rank"]["pending"]
     assert saved["per_rank"]["exchange"]["opt0.fragment0"]["comp1"]["error"].any()
@@ -100,7 +100,7 @@ def test_mid_interval_resume_is_bit_exact(saves, tmp_path):
         x, y = (torch.load(root / d / "iter_0000006" / f"rank_{rank:05d}.pt", weights_only=False)
                 for d in ("torch", "torch2"))
         assert not _same(x, y), _same(x, y)[:5]
-    x, y = _dcp(root / "dist" / "iter_0000006", tmp_path / "a.pt"), _dcp(root / "dist2" / "iter_0000006", tmp_path / "b.pt")
+    x, y = (_dcp(root / d / "iter_0000006", tmp_path / f"{d}.pt") for d in ("dist", "dist2"))
     assert not _same(x, y), _same(x, y)[:5]
     replica1 = [k for k in x if k.startswith("diloco.replica1.")]
     assert any(k.startswith("diloco.replica1.optimizer.state.exp_avg.") for k in replica1), sorted(x)[:20]
@@ -125,7 +125,9 @@ def reshards(saves, cache_dir, tmp_path_factory) -> dict:
 
 
 def _one_reset_line(out: str, *parts: str) -> None:
-    lines = [line for line in out.splitlines() if "re-seeded" in line or "DiLoCo:" in line and "replicas of" not in line]
+    """Exactly one line says what started afresh (the DiLoCo start-up line aside), naming ``parts``."""
+    lines = [line for line in out.splitlines()
+             if "re-seeded" in line or ("DiLoCo:" in line and "replicas of" not in line)]
     assert len(lines) == 1 and RESET in lines[0] and all(p in lines[0] for p in parts), lines
 
 
