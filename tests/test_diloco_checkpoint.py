@@ -2,9 +2,10 @@
 bit-exact in both formats, with an exchange in flight and outer error buffers; torch_dist
 reshards to another inner layout or replica count, and loads across DiLoCo and plain runs.
 
-The saving runs share one 2-rank torchrun, the resumes at another layout one 4-rank
-torchrun (tests/matrix_run.py, with its per-step checks: parameters identical inside each
-replica after every step and across the replicas after each outer step)."""
+The OuterStep's own save-then-load runs in this process (a one-rank group); the saving
+runs share one 2-rank torchrun, the resumes at another layout one 4-rank torchrun
+(tests/matrix_run.py, with its per-step checks: parameters identical inside each replica
+after every step and across the replicas after each outer step)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,95 @@ RESHARD_RTOL = 1e-4
 REPLICA_RTOL = 1e-2
 """Replica r of 4 takes saved replica r mod 2, whose data was another part of the batch."""
 RESET = "RNG re-seeded and LoCo error buffers start at zero"
+SIZES = ((300, 77), (129,))
+"""Parameter sizes per fragment of the in-process OuterStep."""
+
+
+def _outer_step(params: list, log: list, start: int = 0):
+    """An OuterStep over ``params`` (per fragment) as the trainer drives it: H 4, F 2, tau 1,
+    4-bit outer gradients with error feedback, on this process's one-rank group; ``start``:
+    the first element of each parameter the views hold (another shard)."""
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.diloco.exchange import OuterChannel
+    from loco_megatron.diloco.outer import OuterStep, ShardViews
+    from loco_megatron.diloco.schedule import FragmentSchedule
+    from loco_megatron.loco.quantize import QuantOptions
+
+    channels = {}
+    for f, ps in enumerate(params):
+        views = ShardViews([p[start:] for p in ps], [(p, start, p.numel()) for p in ps])
+        channels[f"opt0.fragment{f}"] = (views, OuterChannel(views.numel, None, 4, 256, QuantOptions(
+            **LoCoConfig().options_for(4)), name=f"f{f}"), 0, f)
+    return OuterStep(channels, FragmentSchedule(4, 2, 1), 0.7, 0.9, 0.5, lambda update: update(0),
+                     lambda work: None, lambda work: None, lambda: None, log.append)
+
+
+def _inner(params: list, t: int) -> None:
+    for f, ps in enumerate(params):
+        for k, p in enumerate(ps):
+            p.sub_(0.01 * torch.randn(p.numel(), generator=torch.Generator().manual_seed(100 * t + 10 * f + k)))
+
+
+def _roundtrip(sd: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+
+
+def test_outer_state_save_then_load(tmp_path):
+    """Guards against OuterStep state that does not survive a save (an exchange in flight,
+    the error buffers, momentum), a per-rank part loaded into other shards (error buffers
+    read at the wrong elements), and a resume that drops an exchange in flight then crashes
+    at its apply step (KeyError): a save at step 4 (fragment 1's exchange in flight) and a
+    load continue bit for bit; other shards or another layout reset the per-rank part
+    (other shards: one line), keep the agreed parameters and momentum, and step on."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        params = [[torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes] for sizes in SIZES]
+        log: list = []
+        outer = _outer_step(params, log)
+        trace, saved = [], None
+        for t in range(1, 9):
+            _inner(params, t)
+            outer.after_step(t)
+            if t == 4:
+                outer.settle()
+                saved = (_roundtrip(outer.state_dict()), [[p.clone() for p in ps] for ps in params])
+            trace.append([p.clone() for ps in params for p in ps])
+        sd, at_save = saved
+        assert list(sd["per_rank"]["pending"]) == ["opt0.fragment1"] and sd["momentum"]["opt0.fragment0"].any()
+        resumed = _outer_step(at_save, log)
+        resumed.load_state_dict(sd)
+        for t in range(5, 9):
+            _inner(at_save, t)
+            resumed.after_step(t)
+            assert all(torch.equal(a, b) for a, b in zip(trace[t - 1], (p for ps in at_save for p in ps))), t
+        assert not log
+
+        # Another layout (torch_dist: the per-rank part not read), then other shards (its part
+        # does not fit): agreed parameters and momentum kept, error buffers zero, nothing in flight.
+        for start in (0, 5):
+            params = [[p.clone() for p in ps] for ps in at_save]
+            other = _outer_step(params, log, start)
+            if start:
+                fitted = {k: other.agreed[k] * 0.5 for k in other.agreed}
+                other.load_state_dict({**sd, "agreed": fitted, "momentum": fitted})
+            else:
+                other.load_state_dict({**sd, "per_rank": None})
+                fitted = sd["agreed"]
+                assert not log  # the caller's one layout line says it
+            assert all(torch.equal(other.agreed[k], fitted[k]) for k in fitted)
+            assert not other.pending and all(not ch.comp1.state_dict()["error"].any()
+                                             for _, ch, _, _ in other.channels.values())
+            for t in range(5, 9):
+                _inner(params, t)
+                other.after_step(t)
+        assert log == ["DiLoCo: the outer error buffers start at zero (this rank's shards of the model changed)",
+                       "DiLoCo: the outer exchanges in flight are dropped (this rank's shards of the model changed)"]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
