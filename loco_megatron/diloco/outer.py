@@ -197,7 +197,7 @@ class OuterStep:
         written without --diloco-replicas): the outer step starts afresh from the loaded
         model; ``per_rank`` None (written under another layout): the error buffers start at
         zero and nothing is in flight (the caller says so, in its one line). What else does
-        not fit this run starts afresh, with one line saying what and why: other channels
+        not fit this run starts afresh, one line saying what and why: other channels
         (the torch format under another --diloco-fragments) -> everything; no saved momentum
         -> the momentum; other shards or outer width -> the error buffers and exchanges in
         flight; another schedule -> the exchanges in flight."""
@@ -219,8 +219,8 @@ class OuterStep:
                 else:
                     self.momentum[key].copy_(sd["momentum"][key])
         notes += self._load_per_rank(sd["per_rank"], list(sd["schedule"]))
-        for note in dict.fromkeys(notes):
-            self._log(f"DiLoCo: {note}")
+        if notes:  # one line, whatever starts afresh
+            self._log(f"DiLoCo: {'; '.join(dict.fromkeys(notes))}")
 
     def _load_per_rank(self, sd: Optional[dict], schedule: list) -> list[str]:
         """Restore each channel's error buffers and exchange in flight where the channel's
