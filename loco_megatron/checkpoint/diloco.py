@@ -156,7 +156,8 @@ def layout_note(layout_key: dict, saved_layout: dict, loaded: dict, outer) -> st
     common = loaded.get(NAME) or {}
     dropped = FragmentSchedule(*common["schedule"]).in_flight(int(loaded["iteration"])) if common else []
     errors = any(ch.comp1 is not None for _, ch, _, _ in outer.channels.values())
-    return (f"; DiLoCo: {whose}, agreed parameters and outer momentum resharded"
+    momentum = " and outer momentum" if outer.mu and common.get("with_momentum") else ""
+    return (f"; DiLoCo: {whose}, agreed parameters{momentum} resharded"
             + (", outer error buffers start at zero" if errors else "")
             + (f", the exchange(s) of fragment(s) {sorted({f for f, _ in dropped})} in flight dropped"
                if dropped else ""))
