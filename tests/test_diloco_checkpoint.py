@@ -208,6 +208,7 @@ def reshards(saves, cache_dir, tmp_path_factory) -> dict:
     """The 4-rank resumes from iteration 4 of the 2-rank checkpoints, in fresh processes."""
     root = saves["root"]
     runs = [("inner_dp2", FP32_OUTER + ["--load", str(root / "fp32")]),
+            ("inner_tp2", FP32_OUTER + ["--tensor-model-parallel-size", "2", "--load", str(root / "fp32")]),
             ("replicas4", STREAMING + ["--diloco-replicas", "4", "--load", str(root / "dist")]),
             ("without", ["--train-iters", "7", "--load", str(root / "fp32")]),
             ("from_plain", FP32_OUTER + ["--train-iters", "6", "--load", str(root / "plain")])]
@@ -230,15 +231,17 @@ def _identical_after_outer_steps(out: str, iters: list) -> None:
     assert sorted({int(i) for _, i, *_, o in checks if o == "True"}) == iters, checks
 
 
-def test_reshard_to_another_inner_layout(saves, reshards):
+@pytest.mark.parametrize("run", ["inner_dp2", "inner_tp2"])
+def test_reshard_to_another_inner_layout(run, saves, reshards):
     """Guards against agreed parameters or outer momentum lost or misplaced by a change of
-    the replicas' inner layout (2 replicas of 1 rank -> 2 replicas of 2 ranks: each replica
-    reads its own model and optimizer, the outer state reshards): the losses up to 7 (the
-    outer step at 6 uses both) follow the uninterrupted run within the reduction order's
-    rounding, and one line says what started afresh."""
-    a, b = train_losses(saves["fp32_ref"][1]), train_losses(reshards["inner_dp2"][1])
+    the replicas' inner layout (2 replicas of 1 rank -> 2 replicas of 2 ranks, DP2 or TP2
+    inside each: each replica reads its own model and optimizer, the outer state reshards
+    over DP or TP): the losses up to 7 (the outer step at 6 uses both) follow the
+    uninterrupted run within the reduction order's rounding, and one line says what
+    started afresh."""
+    a, b = train_losses(saves["fp32_ref"][1]), train_losses(reshards[run][1])
     assert sorted(b) == [5, 6, 7] and all(b[i] == pytest.approx(a[i], rel=RESHARD_RTOL) for i in b), (a, b)
-    out = reshards["inner_dp2"][0]
+    out = reshards[run][0]
     _one_reset_line(out, "each replica takes its own model and optimizer", "agreed parameters and outer momentum "
                     "resharded")
     _identical_after_outer_steps(out, [6])
