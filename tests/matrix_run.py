@@ -1,11 +1,17 @@
 """pretrain_gpt.py with the combination matrix's per-step checks (tests/test_matrix.py).
 
-* ``IDENTICAL rank=R iter=I dense=B expert=B``: the model parameters of every data-
-  parallel group (expert parameters: every expert-data-parallel group) are bit-identical
-  across its ranks after step ``I``. Checked just before each optimizer step (the
-  forward pass has finished every parameter all-gather, --overlap-param-gather's
+* ``IDENTICAL rank=R iter=I dense=B expert=B tp=B outer=B|-``: the model parameters of
+  every data-parallel group (expert parameters: every expert-data-parallel group; under
+  DiLoCo the replica's own groups, megatron's partial data-parallel groups) are
+  bit-identical across its ranks after step ``I``. Checked just before each optimizer
+  step (the forward pass has finished every parameter all-gather, --overlap-param-gather's
   deferred ones included, and nothing has changed them since) and once more after the
-  last step, with the deferred gather finished the way a save finishes it.
+  last step, with the deferred gather finished the way a save finishes it. ``outer``
+  (DiLoCo, after an outer step of every fragment with --diloco-sync-delay 0; ``-``
+  elsewhere): every replica holds the same parameters, bit for bit, across the outer
+  group (megatron's inter-instance group): the fp32 main parameters and the model's;
+  with --param-gather-bits the main parameters only, as each replica's model weights
+  are its own quantised gather of them.
 * ``WIRE rank=R iter=I ...``: what this rank's step put on the wire, recorded at the
   collectives themselves (LoCo's injectable ops, megatron-core's bucket reduce-scatter
   and all-gather, the --param-gather-bits all-gather), next to the step's ``comm/``
@@ -25,8 +31,10 @@ import torch.distributed as dist
 
 from loco_megatron.cli import main_config, report_error
 from loco_megatron.config import ConfigError
+from loco_megatron.diloco.schedule import FragmentSchedule
 from loco_megatron.loco.collectives import CollectiveOps
 from loco_megatron.loco.hooks import GradSyncHook, ParamGatherHook
+from loco_megatron.loco.hooks.diloco import main_shards
 from loco_megatron.training import trainer
 from param_identity import identical_across  # tests/ is this script's folder
 
@@ -97,6 +105,19 @@ def _install_recorders(wire: Wire) -> tuple:
     return grad_ops, CollectiveOps(all_gather_into_tensor=gather_params)
 
 
+def _exact_main(optimizer, param_hook: ParamGatherHook) -> list:
+    """The fp32 main parameters of this rank, exact: the distributed optimizer's main
+    shards, except where --param-gather-bits gathers an fp32 model's buckets: there the
+    model buffer (which is the optimizer's main) holds the gathered, quantised shard
+    between steps and the exact one waits in the hook's spare shard (main_aliased, see
+    loco_megatron/loco/param_delta.py: AgreedShard)."""
+    aliased = [s for s in param_hook.shards.values() if s.main_aliased]
+    spans = [(s.own.data_ptr(), s.own.data_ptr() + s.own.numel() * s.own.element_size()) for s in aliased]
+    views = [v for pairs in main_shards(optimizer) for _, _, _, v in pairs
+             if not any(a <= v.data_ptr() < b for a, b in spans)]
+    return views + [s.spare for s in aliased]
+
+
 def main() -> int:
     """``MATRIX_RUNS``: JSON ``[[tag, extra args], ...]``, runs one after another in these
     processes (each after the common ``argv``); ``MATRIX_RESUME_AT``: the iteration a run
@@ -141,20 +162,32 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
     wire.take()  # nothing of an earlier run (its final save's gather) counts here
     hooks: dict = {}  # the grad hook (its iteration) and the model chunks, once built
 
+    d = config.diloco
+
     def check(iteration: int) -> None:
         from megatron.core import parallel_state as ps
 
         params = [p for c in hooks["chunks"] for p in c.parameters()]
-        dense = identical_across([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group())
+        replica = d.enabled  # the replica's own data-parallel groups
+        dp = (ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True) if replica
+              else ps.get_data_parallel_group())
+        dense = identical_across([p for p in params if getattr(p, "allreduce", True)], dp)
         expert = identical_across([p for p in params if not getattr(p, "allreduce", True)],
-                            ps.get_expert_data_parallel_group())
+                                  ps.get_expert_data_parallel_group(partial_expert_data_parallel=replica))
         # Parameters TP does not split are replicated on every TP rank (tests/param_identity.py).
         tp = identical_across([p for p in params if not getattr(p, "tensor_model_parallel", False)],
                               ps.get_tensor_model_parallel_group())
-        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert} tp={tp}")
+        outer = "-"
+        schedule = FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay)
+        if replica and not d.diloco_sync_delay and len(schedule.starts(iteration)) == d.diloco_fragments:
+            group = ps.get_inter_distributed_optimizer_instance_group()
+            outer = identical_across(_exact_main(hooks["optimizer"], hooks["param"]), group) and (
+                bool(config.loco.param_gather_bits) or identical_across(params, group))
+        _say(f"IDENTICAL run={tag} rank={dist.get_rank()} iter={iteration} dense={dense} expert={expert} tp={tp} "
+             f"outer={outer}")
 
     def param_sync_factory(chunks, optimizer, loco, stats):
-        hooks["chunks"] = chunks
+        hooks["chunks"], hooks["optimizer"] = chunks, optimizer
         step, take = optimizer.step, stats.take
 
         def checked_step():
@@ -179,7 +212,8 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
             return comm, sums
 
         optimizer.step, stats.take = checked_step, recorded_take
-        return ParamGatherHook(chunks, optimizer, loco, stats, ops=ops[1])
+        hooks["param"] = ParamGatherHook(chunks, optimizer, loco, stats, ops=ops[1])
+        return hooks["param"]
 
     def grad_sync_factory(chunks, loco, stats):
         hooks["grad"] = GradSyncHook(chunks, loco, stats, ops=ops[0])

@@ -100,17 +100,20 @@ def _chunks(sh) -> list:
     return sorted(parts, key=lambda p: p[1])
 
 
-def _pieces(sh, start: int, end: int) -> Iterator[tuple]:
+def _pieces(sh, start: int, end: int, replica: int = 0) -> Iterator[tuple]:
     """(ShardedTensor metadata, block shape, flat start) for elements [start, end) of the
-    local param: blocks of the global tensor, offsets in global coordinates."""
+    local param: blocks of the global tensor, offsets in global coordinates. ``replica``:
+    the data-parallel coordinate of the blocks' replica id (the other coordinates are the
+    model param's): 0 when every DP rank writes its own slice; DiLoCo's outer state, held
+    alike by every replica and written by replica 0, passes the rank's replica."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     for part, base in _chunks(sh):
         lo, hi = max(start, base), min(end, base + math.prod(part.local_shape))
         p = part.prepend_axis_num
         # The DP coordinate of the model param's replica id says which DP rank would write
-        # the (replicated) param; here every DP rank writes its own slice: coordinate 0.
-        rid = (*part.replica_id[:-1], 0) if isinstance(part.replica_id, tuple) else 0
+        # the (replicated) param; here every DP rank writes its own slice.
+        rid = (*part.replica_id[:-1], replica) if isinstance(part.replica_id, tuple) else replica
         for off, shape, flat in _blocks(tuple(part.local_shape), lo - base, hi - base):
             meta = ShardedTensor(
                 part.key, None, torch.float32, (1,) * p + shape, part.global_shape,

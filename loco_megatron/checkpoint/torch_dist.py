@@ -22,6 +22,11 @@ it is only asked for when the layout is the same, else the run says so in one li
 each such object gets ``load_state_dict(None)`` after the model was loaded (LoCo starts
 its error buffers at zero, the --param-gather-bits hook agrees on the loaded weights).
 
+With ``--diloco-replicas`` (:mod:`.diloco`): ``"model"`` and ``"optimizer"`` are replica 0's
+(the contract above holds), replica ``r >= 1``'s are under the same keys prefixed
+``diloco.replica{r}.``, and the outer step's agreed parameters and momentum are in model
+space (``diloco.agreed.*``, ``diloco.momentum.*``), its error buffers per rank.
+
 Integrity: every writing rank records the SHA-256 of the files it wrote in
 ``sha256.rank_R.json``; at load the ranks share the checking and agree before any state
 is read.
@@ -36,13 +41,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import files
+from loco_megatron.checkpoint import diloco, files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.config import ConfigError
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 
-PER_RANK = ("loco", "param_gather")
-"""Registered states whose content depends on the parallel layout (one object per rank)."""
+PER_RANK = ("loco", "param_gather", diloco.NAME)
+"""Registered states whose content depends on the parallel layout (one object per rank;
+DiLoCo's outer step has a part in model space besides, see :mod:`.diloco`)."""
 OPTIONAL_STATES = ("health",)
 """States absent from checkpoints written before they existed; those load without them."""
 
@@ -84,22 +90,34 @@ def _per_rank(key: str, data, rank: int, world: int):
 
 
 def state_dict(stateful: dict, layout_key: dict, run_config: Optional[dict], iteration: int,
-               is_loading: bool, per_rank: bool) -> dict:
+               is_loading: bool, per_rank: bool, saved: Optional[dict] = None) -> dict:
     """The sharded state dict to save, or to load into (``is_loading``); ``per_rank``:
-    include the layout-keyed per-rank objects (RNG, LoCo)."""
+    include the layout-keyed per-rank objects (RNG, LoCo). ``saved`` (loading): the
+    checkpoint's common state, which says whose model and optimizer keys this rank reads
+    and whether there is DiLoCo outer state to read (:mod:`.diloco`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = layout_tag(layout_key)
     model_sd = stateful["model"].sharded_state_dict()
     sd = {**model_sd, **common_state(stateful, layout_key, run_config, iteration)}
+    saved = saved or {}
+    replica = diloco.replica_of(layout_key)
     for name, obj in stateful.items():
         if name == "model":
             continue
-        if hasattr(obj, "sharded_state_dict"):
+        if name == diloco.NAME:
+            outer_saved = saved.get(name) if is_loading else obj.common_state()
+            if outer_saved is not None:  # a checkpoint without outer state: nothing to read
+                sd[name] = diloco.sharded_state_dict(
+                    obj, model_sd, is_loading, replica, bool(obj.mu and outer_saved["with_momentum"]),
+                    _per_rank(f"{name}.{tag}", None if is_loading else obj.per_rank_state_dict(), rank, world)
+                    if per_rank else None)
+        elif hasattr(obj, "sharded_state_dict"):
             sd[name] = obj.sharded_state_dict(model_sd, is_loading)
         elif name in PER_RANK and per_rank:
             sd[name] = _per_rank(f"{name}.{tag}", obj.state_dict(), rank, world)
     if per_rank:
         sd["rng"] = _per_rank(f"rng.{tag}", rng_state(), rank, world)
+    diloco.assign_replica_keys(sd, list(model_sd), layout_key, saved.get("layout", {}) if is_loading else None)
     return sd
 
 
@@ -312,7 +330,7 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     common = saved_common(folder)
     saved_layout = common.get("layout", {})
     same = layout_tag(saved_layout) == layout_tag(layout_key)
-    request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same)
+    request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same, saved=common)
     try:
         loaded = dist_checkpointing.load(request, str(folder))
     except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
@@ -332,6 +350,9 @@ def restore(folder: pathlib.Path, stateful: dict, loaded: dict, saved_layout: di
     for name, obj in stateful.items():
         if name == "model":
             continue
+        if name == diloco.NAME:  # model-space part always, per-rank part at the same layout only
+            obj.load_state_dict(diloco.loaded_state(loaded.get(name)))
+            continue
         if name in PER_RANK and not same:
             # Not read: written for another layout. None tells the object so (after the
             # model was loaded: the parameter hook takes the loaded weights as agreed).
@@ -347,4 +368,4 @@ def restore(folder: pathlib.Path, stateful: dict, loaded: dict, saved_layout: di
     else:
         log(f"checkpoint: saved with layout {layout_tag(saved_layout)}, resuming with {layout_tag(layout_key)}: "
             f"model, optimizer, schedule and data position resharded; RNG re-seeded and LoCo error "
-            f"buffers start at zero")
+            f"buffers start at zero{diloco.layout_note(layout_key, saved_layout, loaded, stateful.get(diloco.NAME))}")

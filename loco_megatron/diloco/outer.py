@@ -55,6 +55,13 @@ class ShardViews:
         for (v, a), (_, o) in zip(self._pairs(agreed), self._pairs(out)):
             outer_gradient(a, v, o)
 
+    def signature(self) -> list:
+        """Which elements of which parameters the views hold (a per-rank checkpoint fits only
+        the same): per view its ``(parameter shape, start, end)``, or its size without ``slices``."""
+        if self.slices is None:
+            return [v.numel() for v in self.views]
+        return [(tuple(p.shape), start, end) for p, start, end in self.slices]
+
     def take(self, agreed: torch.Tensor, alpha: float) -> None:
         """local <- alpha * local + (1 - alpha) * agreed (see :func:`.outer_math.mix_into`)."""
         for v, part in self._pairs(agreed):
@@ -103,7 +110,7 @@ class OuterStep:
         self._every_step()
         if sched.delay >= 2:
             for key in self._keys(sched.second_phase(t)):
-                work = self.pending[key][1]
+                work = self.pending.get(key, (t, None))[1]
                 if isinstance(work, OuterWork):
                     work.second_phase()
         applies = sched.applies(t) if sched.delay else []
@@ -112,8 +119,11 @@ class OuterStep:
             return
 
         def update(sub: int) -> None:
+            # (An exchange dropped at a resume, see load_state_dict, has nothing to apply;
+            # the optimizer step still runs where the schedule puts it, on every rank.)
             for key in self._keys(applies, sub):
-                self._apply(key)
+                if key in self.pending:
+                    self._apply(key)
             for key in self._keys(starts, sub):
                 self._start(key, t)
                 if not sched.delay:
@@ -157,55 +167,93 @@ class OuterStep:
         return out
 
     # -- checkpointing -------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        assert all(not isinstance(w, OuterWork) for _, w in self.pending.values()), "settle() before saving"
+    # Two parts: the agreed parameters and the momentum, the same on every replica (a
+    # reshardable checkpoint writes them in model space: loco_megatron.checkpoint.diloco),
+    # and this rank's own, which fits its shards only: the error buffers and the settled
+    # means of the exchanges in flight.
+    def common_state(self) -> dict:
+        """What every rank holds alike besides the agreed parameters and the momentum."""
         return {"schedule": [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay],
-                "outer_steps": self.outer_steps,
-                "channels": {key: {"agreed": self.agreed[key].clone(),
-                                   "momentum": None if self.momentum[key] is None else self.momentum[key].clone(),
-                                   "exchange": ch.state_dict()}
-                             for key, (_, ch, _, _) in self.channels.items()},
+                "outer_steps": self.outer_steps, "with_momentum": bool(self.mu)}
+
+    def per_rank_state_dict(self) -> dict:
+        """This rank's own part: per channel its shards (:meth:`ShardViews.signature`), the
+        exchange's error buffers, and the settled mean of an exchange in flight."""
+        assert all(not isinstance(w, OuterWork) for _, w in self.pending.values()), "settle() before saving"
+        return {"shards": {key: views.signature() for key, (views, *_rest) in self.channels.items()},
+                "exchange": {key: ch.state_dict() for key, (_, ch, _, _) in self.channels.items()},
                 "pending": {key: {"start": t, "mean": mean.clone()} for key, (t, mean) in self.pending.items()}}
 
+    def state_dict(self) -> dict:
+        """Everything, per rank (--ckpt-format torch): :meth:`common_state`, ``agreed`` and
+        ``momentum`` (channel key -> fp32 ``[N]``; momentum None with --diloco-outer-momentum
+        0) and ``per_rank`` (:meth:`per_rank_state_dict`)."""
+        return {**self.common_state(), "agreed": {key: a.clone() for key, a in self.agreed.items()},
+                "momentum": {key: m.clone() for key, m in self.momentum.items()} if self.mu else None,
+                "per_rank": self.per_rank_state_dict()}
+
     def load_state_dict(self, sd: Optional[dict]) -> None:
-        """Restore the agreed parameters, momentum, error buffers and exchanges in flight.
-        What does not fit this run starts afresh, with one line saying what and why: other
-        channels (another --diloco-fragments or layout) -> everything; another momentum
-        setting -> the momentum; another outer width or shard -> the error buffers; another
-        schedule -> the exchanges in flight are dropped."""
+        """Restore :meth:`state_dict`'s dict. ``None`` (the checkpoint holds no outer state:
+        written without --diloco-replicas): the outer step starts afresh from the loaded
+        model; ``per_rank`` None (written under another layout): the error buffers start at
+        zero and nothing is in flight (the caller says so, in its one line). What else does
+        not fit this run starts afresh, one line saying what and why: other channels
+        (the torch format under another --diloco-fragments) -> everything; no saved momentum
+        -> the momentum; other shards or outer width -> the error buffers and exchanges in
+        flight; another schedule -> the exchanges in flight."""
         if sd is None:
-            return self._agree_on_loaded("the checkpoint holds no outer state (written without --diloco-replicas, "
-                                         "or under another layout)")
-        saved = sd["channels"]
-        if set(saved) != set(self.channels) or any(saved[k]["agreed"].numel() != self.agreed[k].numel()
-                                                   for k in saved):
-            return self._agree_on_loaded("the checkpoint's outer state does not fit this run (other fragments "
-                                         "or shards)")
+            return self._agree_on_loaded()
+        agreed = sd["agreed"]
+        if set(agreed) != set(self.channels) or any(agreed[k].numel() != a.numel() for k, a in self.agreed.items()):
+            self._agree_on_loaded()
+            return self._log("DiLoCo: the checkpoint's outer state does not fit this run (other fragments or "
+                             "shards); the outer step starts afresh from the first replica's loaded parameters")
         self.outer_steps = int(sd.get("outer_steps", 0))
         notes = []
-        for key, entry in saved.items():
-            self.agreed[key].copy_(entry["agreed"])
+        for key, a in self.agreed.items():
+            a.copy_(agreed[key])
             if self.momentum[key] is not None:
-                if entry["momentum"] is None:
+                if sd["momentum"] is None:
                     self.momentum[key].zero_()
                     notes.append("the outer momentum starts at zero (saved without momentum)")
                 else:
-                    self.momentum[key].copy_(entry["momentum"])
+                    self.momentum[key].copy_(sd["momentum"][key])
+        notes += self._load_per_rank(sd["per_rank"], list(sd["schedule"]))
+        if notes:  # one line, whatever starts afresh
+            self._log(f"DiLoCo: {'; '.join(dict.fromkeys(notes))}")
+
+    def _load_per_rank(self, sd: Optional[dict], schedule: list) -> list[str]:
+        """Restore each channel's error buffers and exchange in flight where the channel's
+        shards are the saved ones; returns the notes on what starts afresh."""
+        for _, channel, _, _ in self.channels.values():
+            channel.reset()
+        self.pending = {}
+        if sd is None:
+            return []
+        notes, fits = [], set()
+        for key, (views, channel, _, _) in self.channels.items():
+            if sd["shards"].get(key) != views.signature():
+                if channel.comp1 is not None:
+                    notes.append("the outer error buffers start at zero (this rank's shards of the model changed)")
+                continue
+            fits.add(key)
             try:
-                self.channels[key][1].load_state_dict(entry["exchange"])
+                channel.load_state_dict(sd["exchange"][key])
             except ValueError as e:
-                self.channels[key][1].reset()
+                channel.reset()
                 notes.append(f"the outer error buffers start at zero ({e})")
-        if list(sd["schedule"]) == [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]:
+        now = [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]
+        if schedule != now and sd["pending"]:
+            notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped (the schedule "
+                         f"H, F, tau changed from {tuple(schedule)})")
+        elif set(sd["pending"]) - fits:
+            notes.append("the outer exchanges in flight are dropped (this rank's shards of the model changed)")
+        else:
             self.pending = {key: (int(p["start"]), p["mean"].to(self.agreed[key].device))
                             for key, p in sd["pending"].items()}
-        elif sd["pending"]:
-            notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped (the schedule "
-                         f"H, F, tau changed from {tuple(sd['schedule'])})")
-        for note in dict.fromkeys(notes):
-            self._log(f"DiLoCo: {note}")
+        return notes
 
-    def _agree_on_loaded(self, why: str) -> None:
+    def _agree_on_loaded(self) -> None:
         """Outer state afresh from the loaded model: the agreed parameters are the first
         replica's loaded ones (broadcast over each outer group, so the replicas agree even
         when their loaded weights differ), momentum and errors zero, nothing in flight."""
@@ -218,4 +266,3 @@ class OuterStep:
                 self.momentum[key].zero_()
             channel.reset()
         self.pending = {}
-        self._log(f"DiLoCo: {why}; the outer step starts afresh from the first replica's loaded parameters")
