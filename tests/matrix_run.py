@@ -168,7 +168,9 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
         from megatron.core import parallel_state as ps
 
         params = [p for c in hooks["chunks"] for p in c.parameters()]
-        replica = d.enabled  # the replica's own data-parallel groups
+        # Megatron's partial (intra-instance) groups exist only when DP splits into instances:
+        # one replica (lookahead) keeps the plain groups and has no inter-instance group.
+        replica = d.diloco_replicas > 1
         dp = (ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True) if replica
               else ps.get_data_parallel_group())
         dense = identical_across([p for p in params if getattr(p, "allreduce", True)], dp)

@@ -80,6 +80,7 @@ def test_tied_embedding_copies_stay_equal_across_pipeline_stages(cache_dir, tmp_
     equal only through the inner steps' gradients. PP 2 x 2 replicas, outer 4-bit, outer
     steps at 2 and 4: equal after every step, and the replicas agree after outer steps."""
     args = TINY + ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--diloco-replicas", "2",
+                   "--no-untie-embeddings-and-output-weights",  # (untied is the default)
                    "--diloco-inner-steps", "2", "--diloco-outer-bits", "4"]
     proc, _ = torchrun(4, args, cache_dir, tmp_path, script="tests/diloco_check.py")
     tied, model = _checks(proc.stdout, "TIED"), _checks(proc.stdout, "MODEL")
