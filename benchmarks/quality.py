@@ -16,6 +16,14 @@ two, the parameter all-gather) differs:
     fsdp, fsdp4   Megatron-FSDP as HSDP over two one-rank nodes, full precision / LoCo 4-bit
                   on the cross-node reduction (not in the default set: --variants fsdp,fsdp4)
 
+The DiLoCo section (``--variants diloco``, with ``--ranks R``: R replicas of one rank each)
+compares DiLoCo's outer exchanges against ``fp32`` (every step, the DDP reference):
+``dl0-hH`` fp32 outer all-reduce every H inner steps, ``dl4-hH`` / ``dl2-hH`` LoCo 4-/2-bit
+outer gradients with error feedback (beta 0.8, int8 errors), ``dl4n-hH`` / ``dl2n-hH``
+the same without error feedback, for H = 16 and 32 (outer Nesterov lr 0.7, momentum 0.9).
+``--model small`` (2 micro batches of 2 per rank at 2 ranks, global batch 8) makes the
+1,000-step runs this study needs affordable on a 2-core CPU.
+
 The 2-bit section (``--variants 2bit``) runs the quantiser options one at a time and
 combined, with LoCo error feedback (``loco2-*``) and without (``noef2-*``); the suffix
 letters are u = --loco-quantizer uniform, m = --loco-scale mse, h = --loco-rotation
@@ -29,6 +37,8 @@ seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --
     python benchmarks/quality.py --out results/quality --seeds 1234,1235
     python benchmarks/quality.py --out results/quality2bit --variants 2bit --seeds 1234,1235
     python benchmarks/quality.py --out results/quality2bit_long --iters 400 --variants fp32,loco2d,loco2
+    python benchmarks/quality.py --out results/quality_diloco_r2 --ranks 2 --iters 1024 --model small \
+        --variants diloco --seeds 1234,1235
     python benchmarks/quality.py --smoke --out /tmp/q    # seconds-scale check
 """
 
@@ -91,17 +101,39 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
     VARIANTS[f"loco2-{_letters}"] = (f"LoCo 2-bit{_suffix}", ["--loco-bits", "2", *_flags])
     VARIANTS[f"noef2-{_letters}"] = (f"2-bit, no error feedback{_suffix}",
                                      ["--loco-bits", "2", "--no-loco-error-feedback", *_flags])
+for _h in (16, 32):
+    for _bits, _ef in ((0, True), (4, True), (4, False), (2, True), (2, False)):
+        _name = f"dl{_bits}{'' if _ef else 'n'}-h{_h}"
+        _label = ("fp32 outer" if not _bits else
+                  f"LoCo {_bits}-bit outer" + ("" if _ef else ", no error feedback"))
+        # --diloco-replicas {ranks}: one replica per rank, filled in per run (see main()).
+        VARIANTS[_name] = (f"DiLoCo H={_h}, {_label}",
+                           ["--loco-bits", "0", "--diloco-replicas", "{ranks}", "--diloco-inner-steps", str(_h),
+                            "--diloco-outer-bits", str(_bits), *([] if _ef else ["--no-diloco-outer-error-feedback"])])
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
-                     "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)]}
+                     "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)],
+            "diloco": ["fp32", *(v for v in VARIANTS if v.startswith("dl"))]}
 """Names ``--variants`` expands (each a list of variants)."""
 MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2", "fsdp", "fsdp4") and "-" not in v]
+SMALL_MODEL = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+"""``--model small``: half the default's tokens per step (4 layers, hidden 128, sequence 128)."""
 """The variants run when ``--variants`` is not given (the original study)."""
 
 
-def run(out: pathlib.Path, name: str, args: list[str], timeout: float) -> compare_runs.Run:
+def run(out: pathlib.Path, name: str, args: list[str], timeout: float, ranks: int = 2,
+        reuse: bool = False) -> compare_runs.Run:
     metrics = out / "runs" / f"{name}.jsonl"
+    if reuse and metrics.exists():  # a finished run of the same name: its last eval is at --train-iters
+        try:
+            done = compare_runs.load_run(str(metrics))
+        except (SystemExit, ValueError):  # cut short mid-line: run it again
+            done = None
+        iters = int(args[args.index("--train-iters") + 1])
+        if done and done.evals and done.evals[-1]["iteration"] == iters:
+            print(f"         (reusing {metrics})", flush=True)
+            return done
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(REPO / "pretrain_gpt.py"), *args, "--metrics-jsonl", str(metrics)]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     log = out / "logs" / f"{name}.log"
@@ -128,11 +160,20 @@ def main() -> None:
                     help=f"comma-separated variants ({', '.join(VARIANTS)}) or sections ({', '.join(SECTIONS)}); "
                          f"default: {','.join(MAIN)}")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks per run (DiLoCo: one replica per rank)")
+    ap.add_argument("--model", choices=("default", "small"), default="default",
+                    help="pretrain_gpt.py's default model, or 'small': global batch 8 in micro batches of 2")
+    ap.add_argument("--eval-interval", type=int, default=None, help="default: a quarter of --iters")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the runs already finished in --out (same names, same --iters) instead of rerunning")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 steps, one seed (fp32 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
-    model = ["--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4", "--log-interval", "10"]
+    if args.ranks < 1:
+        sys.exit(f"error: --ranks: {args.ranks} must be at least 1")
+    model = ["--eval-interval", str(args.eval_interval or max(args.iters // 4, 1)), "--eval-iters", "4",
+             "--log-interval", "10", *(SMALL_MODEL if args.model == "small" else [])]
     if args.smoke:
         args.iters, args.seeds = 4, "1234"
         args.variants = args.variants or "fp32,loco4"
@@ -159,14 +200,15 @@ def main() -> None:
         for v in variants:
             name = f"{v}_seed{seed}"
             print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
-            results[v].append(run(out, name, [*model, *VARIANTS[v][1], "--train-iters", str(args.iters),
-                                              "--seed", str(seed)], args.timeout))
+            flags = [f.format(ranks=args.ranks) for f in VARIANTS[v][1]]
+            results[v].append(run(out, name, [*model, *flags, "--train-iters", str(args.iters),
+                                              "--seed", str(seed)], args.timeout, args.ranks, args.reuse))
 
     def evals(r):
         return [e["eval/lm_loss"] for e in r.evals]
 
     ref = statistics.fmean(evals(r)[-1] for r in results[variants[0]])
-    lines = [f"# Loss parity: {args.iters} steps, seeds {', '.join(map(str, seeds))}, 2 ranks, "
+    lines = [f"# Loss parity: {args.iters} steps, seeds {', '.join(map(str, seeds))}, {args.ranks} ranks, "
              f"{results[variants[0]][0].train[-1]['train/tokens_seen']:,} tokens per run\n",
              f"| variant | final eval loss | best eval loss | gap to {variants[0]} (final) |", "|---|---|---|---|"]
     for v in variants:

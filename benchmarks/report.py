@@ -32,6 +32,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import report_diloco  # noqa: E402
 import report_fast  # noqa: E402
 
 
@@ -409,7 +410,9 @@ PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (q
            "gpu": (GPU_HEADING, gpu_section, "gpu/summary.txt (OUT=results/gpu bash benchmarks/gpu_check.sh)"),
            "checkpoint": (CHECKPOINT_HEADING, checkpoint_section, "checkpoint.txt (benchmarks/checkpoint.py)"),
            "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,
-                                 "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)")}
+                                 "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)"),
+           "diloco": (report_diloco.HEADING, report_diloco.section,
+                      "speed_diloco/ or quality_diloco_r2/ (the commands in benchmarks/report_diloco.py)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
 HEADLINES = {"fast": (report_fast.HEADLINE, report_fast.headlines)}
 """``--sections`` name -> (the prefix of its lines in the headline list, their builder)."""
@@ -444,6 +447,8 @@ def update_section(name: str, res: pathlib.Path, out: pathlib.Path) -> None:
         text = replace_headlines(text, prefix, lines(res))
     out.write_text(text)
     print(out)
+    if name == "diloco":  # the guide shows the same measured block
+        report_diloco.update_guide(res, out.parent / "diloco.md")
 
 
 def replace_headlines(text: str, prefix: str, lines: list[str]) -> str:

@@ -78,6 +78,20 @@ VARIANTS = {
     "fsdp": ("Megatron-FSDP HSDP, full precision", [*_FSDP, "--loco-bits", "0"]),
     "fsdp4": ("Megatron-FSDP HSDP + LoCo 4-bit", [*_FSDP, "--loco-bits", "4"]),
 }
+_DILOCO = ["--loco-bits", "0", "--diloco-replicas", "{nodes}", "--diloco-inner-steps", "32"]  # a replica per node
+VARIANTS.update({
+    # DiLoCo: one replica per node, H = 32 inner steps between outer exchanges; inside a node
+    # megatron's fp32 reduce-scatter every step (multi-node topologies only; docs/diloco.md).
+    "dl0": ("DiLoCo H=32, fp32 outer", [*_DILOCO, "--diloco-outer-bits", "0"]),
+    "dl4": ("DiLoCo H=32, LoCo 4-bit outer", [*_DILOCO, "--diloco-outer-bits", "4"]),
+    "dls4": ("Streaming DiLoCo H=32 F=4 tau=2, LoCo 4-bit outer",
+             [*_DILOCO, "--diloco-outer-bits", "4", "--diloco-fragments", "4", "--diloco-sync-delay", "2"]),
+    "dl2": ("DiLoCo H=32, LoCo 2-bit outer", [*_DILOCO, "--diloco-outer-bits", "2"]),
+    # The same replicas with no outer exchange in the run (H beyond its end): the step time
+    # DiLoCo's exchanges are measured against.
+    "dlnone": ("DiLoCo replicas, no outer exchange", [*_DILOCO[:-1], "1000000", "--diloco-outer-bits", "4"]),
+})
+DILOCO = ("dl0", "dl4", "dls4", "dl2", "dlnone")
 FSDP_PAIR = ("fsdp", "fsdp4")
 
 # About 15M parameters: big enough that full-precision gradient sync dominates a step
@@ -188,6 +202,7 @@ def table(groups: dict, baseline: str = "bf16") -> str:
                 out.append(f"\n{r['label']}: parameter gather per step: encode {r['param_compress_s'] * 1e3:.1f} ms "
                            f"and apply {r['param_decompress_s'] * 1e3:.1f} ms on the rank, "
                            f"{r['param_gather_s'] * 1e3:.1f} ms from launch to applied")
+        out.extend(diloco_lines(rows))
         fsdp = {r["key"]: r for r in rows if r["key"] in FSDP_PAIR}
         if len(fsdp) == 2:
             f0, f4 = fsdp["fsdp"], fsdp["fsdp4"]
@@ -196,6 +211,31 @@ def table(groups: dict, baseline: str = "bf16") -> str:
             out.append(f"\n{f4['label']} vs {f0['label']}: step x{f4['step_s'] / f0['step_s']:.2f}, "
                        f"comm total x{f4['comm_total_s'] / f0['comm_total_s']:.2f}, bytes to other nodes x{inter}")
     return "\n".join(out) + "\n"
+
+
+def diloco_lines(rows: list[dict]) -> list[str]:
+    """The DiLoCo rows of one group against bf16 every step (bytes between the nodes, i.e.
+    the replicas) and against the same replicas without outer exchanges (mean step time,
+    which, unlike the median, carries the outer steps)."""
+    by = {r["key"]: r for r in rows}
+    dl = [r for r in rows if r["key"] in DILOCO]
+    if not dl:
+        return []
+    out = ["", "| DiLoCo run | mean step (s) | outer bytes / rank / step | outer time / step (ms), exposed "
+               "| measured wire bytes to other nodes / rank / step | wire bytes vs bf16 every step "
+               "| mean step vs no outer exchange |", "|---|---|---|---|---|---|---|"]
+    ref = by.get("bf16") or by.get("fp32")
+    none = by.get("dlnone")
+    for r in [x for x in (by.get("bf16"), by.get("fp32"), by.get("loco4")) if x] + dl:
+        wire = r.get("wire_bytes_per_step")
+        vs_ref = f"{wire / ref['wire_bytes_per_step']:.4f}" if wire and ref and ref.get("wire_bytes_per_step") else "n/a"
+        vs_none = f"{r['mean_step_s'] / none['mean_step_s']:.2f}" if none else "n/a"
+        out.append(f"| {r['label']} | {r['mean_step_s']:.3f} | {r['outer_bytes_per_step']:,.0f} "
+                   f"| {r['outer_time_s'] * 1e3:.1f}, {r['outer_exposed_s'] * 1e3:.1f} "
+                   f"| {wire:,.0f} | {vs_ref} | {vs_none} |" if wire is not None else
+                   f"| {r['label']} | {r['mean_step_s']:.3f} | {r['outer_bytes_per_step']:,.0f} "
+                   f"| {r['outer_time_s'] * 1e3:.1f}, {r['outer_exposed_s'] * 1e3:.1f} | n/a | n/a | {vs_none} |")
+    return out
 
 
 def main() -> None:
@@ -231,7 +271,9 @@ def main() -> None:
     model = [*(SMOKE_MODEL if args.smoke else MODEL), *(["--bf16"] if dtype == "bf16" else [])]
     if args.data_cache_path:
         model = [*model, "--data-cache-path", args.data_cache_path]
-    log_interval = 1 if args.smoke else 5
+    # DiLoCo's outer steps make single steps long: every step is its own log record, so the
+    # mean step time covers them exactly (and the first window, start-up, is one step).
+    log_interval = 1 if args.smoke or set(variants) & set(DILOCO) else 5
     groups: dict = {}
     wire_bytes: dict = {}
     t_start = time.time()
@@ -243,8 +285,8 @@ def main() -> None:
             for v in variants:
                 if v in ("loco4flat", "loco4i16", "loco4flatp4", "loco4i16p4") and not (nodes > 1 and ranks > 1):
                     continue  # two-hop only differs with several nodes of several ranks
-                if v in FSDP_PAIR and nodes == 1:
-                    continue  # HSDP needs several nodes (flat FSDP with LoCo is refused)
+                if v in FSDP_PAIR + DILOCO and nodes == 1:
+                    continue  # HSDP needs several nodes (flat FSDP with LoCo is refused); DiLoCo a replica per node
                 label, flags = VARIANTS[v]
                 flags = [f.format(nodes=nodes, ranks=ranks) for f in flags]
                 base_args = model
@@ -263,7 +305,7 @@ def main() -> None:
                     sys.exit(f"error: {name}: {e} (logs in {out / 'logs' / name})")
                 run = compare_runs.load_run(str(path))
                 run.label = label
-                rows.append({"key": v, **compare_runs.summarize(run)})
+                rows.append({"key": v, **compare_runs.summarize(run), "wire_bytes_per_step": wire})
                 if wire is not None:
                     wire_bytes[f"{name} ({label})"] = wire
                 files.append(str(path))

@@ -289,3 +289,69 @@ def test_shapes_check_matches_and_can_fail(kernels, monkeypatch):
         monkeypatch.setattr(shapes_check, "decompressor", lambda k: drop_first_row if k == "cpu" else original(k))
         problems, _, _ = shapes_check.check("cpu", 4, 70001, 3, torch.float32, 1, torch.device("cpu"))
         assert any("reduced shards differ" in p for p in problems), problems
+
+
+def test_report_diloco_verdicts_come_from_the_tables(tmp_path, monkeypatch):
+    """Guards against DiLoCo verdicts not computed from the scripts' outputs (a 0.0080x wire
+    ratio meets the 0.01x target, a 1.25x mean step at 100 Mbit/s misses 1.2x; the 4-bit
+    outer gap to the fp32 outer run is computed from the mean final losses, +0.40% meets
+    0.5%, 2-bit +1.50% misses 1%), and against the guide's measured block being appended
+    again on a second run instead of replaced."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report
+    import report_diloco
+
+    head = ("| DiLoCo run | mean step (s) | outer bytes / rank / step | outer time / step (ms), exposed "
+            "| measured wire bytes to other nodes / rank / step | wire bytes vs bf16 every step "
+            "| mean step vs no outer exchange |\n|---|---|---|---|---|---|---|\n")
+    speed = ("# Speed: 64 steps\n\n### 2x1 (inter-node link 100mbit)\n\n| gradient sync | x |\n|---|---|\n| bf16 | 1 |\n\n"
+             + head + "| bf16 reduce-scatter | 2.0 | 0 | 0.0, 0.0 | 800,000 | 1.0000 | 4.00 |\n"
+             "| DiLoCo H=32, LoCo 4-bit outer | 0.625 | 9,000 | 40.0, 30.0 | 6,400 | 0.0080 | 1.25 |\n"
+             "| DiLoCo replicas, no outer exchange | 0.5 | 0 | 0.0, 0.0 | 2,000 | 0.0025 | 1.00 |\n")
+    quality = ("# Loss parity: 1024 steps\n\n| variant | final eval loss | best eval loss | gap to fp32 (final) |\n"
+               "|---|---|---|---|\n| full precision (fp32 reduce-scatter) | 4.0000 ± 0.0100 | 4.0 | +0.00% |\n"
+               "| DiLoCo H=32, fp32 outer | 5.0000 ± 0.0200 | 5.0 | +25.00% |\n"
+               "| DiLoCo H=32, LoCo 4-bit outer | 5.0200 ± 0.0100 | 5.0 | +25.50% |\n"
+               "| DiLoCo H=32, LoCo 4-bit outer, no error feedback | 5.1000 ± 0.0100 | 5.1 | +27.50% |\n"
+               "| DiLoCo H=32, LoCo 2-bit outer | 5.0750 ± 0.0100 | 5.0 | +26.88% |\n")
+    (tmp_path / "speed_diloco").mkdir()
+    (tmp_path / "speed_diloco" / "speed.md").write_text(speed)
+    (tmp_path / "quality_diloco_r2").mkdir()
+    (tmp_path / "quality_diloco_r2" / "quality.md").write_text(quality)
+    page, guide = tmp_path / "benchmarks.md", tmp_path / "diloco.md"
+    page.write_text("# B\n\n## 5. Pre\n\nkeep me\n\n## What the numbers mean\n\n- end\n")
+    guide.write_text(f"# G\n\n{report_diloco.MARK_BEGIN}\nold\n{report_diloco.MARK_END}\n\n## Flags\n")
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
+                                          "--sections", "diloco"])
+        report.main()
+    text, g = page.read_text(), guide.read_text()
+    assert text.count(report_diloco.HEADING) == 1 and "keep me" in text and text.endswith("- end\n")
+    assert "sends 0.0080x bf16-every-step's bytes between the replicas (target <= 0.01x: met)" in text
+    assert "mean step 1.25x the same replicas' without outer exchanges (target <= 1.2x at 100 Mbit/s: missed)" in text
+    assert "4-bit with error feedback +0.40% (target within 0.5%: met), without +2.00%" in text
+    assert "2-bit with error feedback +1.50% (target within 1.0%: missed)" in text
+    assert "fp32 outer vs data-parallel every step +25.00%" in text
+    assert g.count(report_diloco.MARK_BEGIN) == 1 and "old" not in g and g.endswith("## Flags\n")
+    assert "| DiLoCo H=32, LoCo 4-bit outer | 0.625 |" in g
+
+
+def test_diloco_study_variants_are_well_formed():
+    """Guards against the DiLoCo rows of the studies running something else than their
+    labels say: each speed row gives the replica count per node and H=32 (the no-exchange
+    row an H beyond any run), each quality row its H, outer width and error feedback."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality
+    import speed
+
+    for key in speed.DILOCO:
+        flags = speed.VARIANTS[key][1]
+        assert flags[flags.index("--diloco-replicas") + 1] == "{nodes}"
+        h = int(flags[flags.index("--diloco-inner-steps") + 1])
+        assert h == (1000000 if key == "dlnone" else 32)
+    assert "--diloco-fragments" in speed.VARIANTS["dls4"][1] and "--diloco-sync-delay" in speed.VARIANTS["dls4"][1]
+    for key in quality.SECTIONS["diloco"][1:]:
+        flags = quality.VARIANTS[key][1]
+        bits, h = key[2], key.split("-h")[1]
+        assert flags[flags.index("--diloco-outer-bits") + 1] == bits and flags[flags.index("--diloco-inner-steps") + 1] == h
+        assert ("--no-diloco-outer-error-feedback" in flags) == (key[3] == "n")

@@ -117,6 +117,11 @@ def summarize(run: Run) -> dict:
         "final_train": run.train[-1]["train/lm_loss"],
         "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in steady.train),
         "step_s": statistics.median(r["train/step_s"] for r in steady.train),
+        # The mean, unlike the median, carries rare long steps (DiLoCo's outer exchanges).
+        "mean_step_s": _weighted_mean(steady, "train/step_s"),
+        "outer_bytes_per_step": _zero_if_nan(_weighted_mean(steady, "comm/outer_bytes_sent")),
+        "outer_time_s": _zero_if_nan(_weighted_mean(steady, "comm/outer_time_s")),
+        "outer_exposed_s": _zero_if_nan(_weighted_mean(steady, "comm/outer_exposed_s")),
         "comm_total_s": _weighted_mean(steady, "comm/grad_sync_total_s"),
         "comm_exposed_s": _weighted_mean(steady, "comm/grad_sync_exposed_s"),
         "compress_s": _weighted_mean(steady, "comm/compress_s"),
