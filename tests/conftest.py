@@ -1,4 +1,12 @@
-"""Shared helpers: real multi-process runs of pretrain_gpt.py under torchrun (gloo, CPU)."""
+"""Shared helpers: real multi-process runs of pretrain_gpt.py under torchrun (gloo, CPU).
+
+Most multi-rank runs start on a fork server (``tests/forkserver.py``): torchrun's own CLI,
+with workers forked from an interpreter that has already imported torch and megatron-core,
+so a tiny run does not spend most of its time importing. ``LOCO_TEST_FORKSERVER=0`` runs
+every launch as a plain torchrun process; the tests that kill ranks, restart them or read
+their command lines always do (``tests/test_forkserver.py`` checks that both give the same
+losses, lines and errors).
+"""
 
 from __future__ import annotations
 
