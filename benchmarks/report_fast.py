@@ -1,4 +1,4 @@
-"""Section 10 of ``docs/benchmarks.md``: the fast defaults (issue 22), from ``RESULTS/fast``.
+"""Section 10 of ``docs/benchmarks.md``: the fast defaults (issue 22's targets), from ``RESULTS/fast``.
 
     python benchmarks/report.py --results results --sections fast
 
@@ -145,7 +145,7 @@ def _two_hop_line(paths: list, suffix: str, note: str) -> list[str]:
     return [line + "."]
 
 
-HEADLINE = "- Fast defaults (issue 22, section 10): "
+HEADLINE = "- Fast defaults (section 10): "
 """The prefix of this section's lines in the page's headline list (replaced on each update)."""
 
 
@@ -159,8 +159,8 @@ def headlines(res: pathlib.Path) -> list[str]:
     lines = [HEADLINE + line[2:] for line in _option_lines(texts) + _speed_lines(fast)]
     if lines and not (res / "gpu" / "summary.txt").is_file():
         lines.append(HEADLINE + "GPU (every kernel >= 0.7x of device-copy bandwidth at 64M+ elements): not "
-                     "measured: no GPU was lent for these kernels (section 9 is an earlier run, before them; "
-                     "benchmarks/gpu_check.sh is ready for one).")
+                     "measured (section 9's GPU check ran other versions of these kernels; "
+                     "`bash benchmarks/gpu_check.sh` measures them on a GPU).")
     return lines
 
 
@@ -175,11 +175,12 @@ def section(res: pathlib.Path) -> list[str]:
     if not heads and not text:
         return []
     out = [HEADING, "",
-           "The defaults of issue 22 on this machine: the 2-bit default on the fused C++ kernels against the",
-           "4-bit kernel (one thread; the cases interleaved round by round), the parameter gather's",
-           "fused decode-and-apply against its former path, the kernels at training shapes against the",
-           "torch reference, and training steps on the simulated cluster. Step ratios are to the",
-           "baseline of the compute dtype the speed script picked (see its first line in each run).",
+           "What the default settings cost on this machine: the 2-bit default on the fused C++ kernels",
+           "against the 4-bit kernel (one thread; the cases interleaved round by round), the parameter",
+           "gather's fused decode-and-apply against the torch reference and a C++ decode followed by",
+           "torch's `add_` (the `old C++` column), the kernels at training shapes against the torch",
+           "reference, and training steps on the simulated cluster. Step ratios are to the baseline of",
+           "the compute dtype the speed script picked (see its first line in each run).",
            "", "```bash", *COMMANDS, "python benchmarks/report.py --results results --sections fast", "```", "",
            "Against the targets:", "", *heads, ""]
     for name, body in text.items():
