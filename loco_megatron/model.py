@@ -185,6 +185,11 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
         )
         _seed_outside_layers(model, config.train.seed, m.init_method_std,
                              tied=not m.untie_embeddings_and_output_weights)
+        if m.bf16 and getattr(getattr(model, "embedding", None), "position_embeddings", None) is not None:
+            # megatron builds the learned position table as a plain fp32 torch Embedding (no
+            # params_dtype); Megatron-LM's Float16Module casts it. Left fp32, the embedding
+            # sum turns fp32 and the first bf16 linear layer refuses it.
+            model.embedding.position_embeddings.to(torch.bfloat16)
         model.to(device)
         if not wrap:
             chunks.append(model)

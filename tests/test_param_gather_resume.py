@@ -62,3 +62,26 @@ def test_bucket_size_change_on_resume_resets_with_one_line(cache_dir, tmp_path):
     _identical(proc.stdout, 2, [4, 5])
     a, b = train_losses(whole), train_losses(resumed)
     assert sorted(b) == [5, 6] and all(abs(a[it] - b[it]) < 0.05 for it in b), (a, b)
+
+
+def test_tp_gap_does_not_split_data_parallel_peers_after_a_resume(cache_dir, tmp_path, monkeypatch):
+    """Guards against a same-layout torch_dist resume that splits a data-parallel group for
+    good: with bf16 and TP 2, torch_dist loads TP rank 0's copy of a TP-replicated parameter
+    (here the learned position table) on every TP rank, but the owner of each shard put its
+    own saved agreed shard back into the model; after a TP gap (forced at step 2 on TP rank
+    1, as the compressed gather can leave one) the owner then held other weights than its
+    data-parallel peers, and the incremental gathers kept them apart. Also guards the bf16
+    learned position table itself (left fp32, the first linear layer refused the sum)."""
+    monkeypatch.setenv("LOCO_TEST_TP_GAP_AT", "2")
+    args = TINY + ["--lr", "0.01", "--lr-decay-iters", "6", "--bf16", "--tensor-model-parallel-size", "2",
+                   "--param-gather-bits", "2", "--loco-bits", "4", "--position-embedding-type", "learned_absolute"]
+    ck = str(tmp_path / "ck")
+    first, _ = torchrun(4, args + ["--train-iters", "4", "--save", ck], cache_dir, tmp_path, name="first",
+                        script="tests/param_identity.py")
+    gap = re.findall(r"IDENTICAL rank=\d+ iter=3 dense=True expert=True tp=(\w+)", first.stdout)
+    assert gap == ["False"] * 4, first.stdout[-3000:]  # the precondition: a TP gap before the save
+    monkeypatch.setenv("LOCO_TEST_TP_GAP_AT", "0")
+    proc, _ = torchrun(4, args + ["--train-iters", "6", "--load", ck], cache_dir, tmp_path, name="resumed",
+                       script="tests/param_identity.py")
+    _identical(proc.stdout, 4, [4, 5])
+    assert len(re.findall(r"IDENTICAL rank=\d+ iter=4 .* tp=True", proc.stdout)) == 4  # the gap healed

@@ -356,6 +356,13 @@ class AgreedShard:
         assert self.fits(sd)
         self.pending = False
         self.gathers = sd.get("gathers", 0)  # absent: written before stochastic rounding existed here
-        self.spare.copy_(sd["spare"])
-        if not self.main_aliased:
-            self.own.copy_(self.spare)  # the model shard is the agreed one
+        if self.main_aliased:
+            self.spare.copy_(sd["spare"])  # the exact main shard: per-rank state, only here
+        else:
+            # The loaded model shard *is* the agreed one (saved as what every rank computed
+            # with), and it is what the other ranks of the data-parallel group loaded for it.
+            # The saved copy is not used: for parameters TP replicates, torch_dist loads TP
+            # rank 0's copy on every TP rank, so another TP rank's saved agreed shard could
+            # differ from what its peers hold (a TP gap left by the compressed gather) and
+            # they would stay apart for good.
+            self.spare.copy_(self.own)
