@@ -34,20 +34,23 @@ def main() -> int:
 
         check_inputs_here(config.data)  # before torch is imported: a typo'd path is one line at once
     except ConfigError as e:
-        report_error(e, 0 if dry_run_world is not None else env.rank)
+        report_error(e, 0 if dry_run_world is not None else env.rank, env.error_file)
         return 2
     from loco_megatron.training.children import die_with_parent
     from loco_megatron.training.health import RunAborted
     from loco_megatron.training.trainer import train  # heavy imports after parsing
+    from torch.distributed.elastic.multiprocessing.errors import record
 
     die_with_parent()  # megatron's forked checkpoint writers must not outlive a killed rank
     try:
-        train(config, env)
+        # record: an unexpected exception's traceback goes to torchrun's error file (its
+        # summary's root cause); report_error replaces it with the one line for ours.
+        record(train)(config, env)
     except ConfigError as e:
-        report_error(e, env.rank)
+        report_error(e, env.rank, env.error_file)
         return 2
     except RunAborted as e:  # e.g. too many consecutive skipped steps: every rank agreed
-        report_error(e, env.rank)
+        report_error(e, env.rank, env.error_file)
         return 3
     return 0
 
