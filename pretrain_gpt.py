@@ -36,10 +36,16 @@ def main() -> int:
     except ConfigError as e:
         report_error(e, 0 if dry_run_world is not None else env.rank, env.error_file)
         return 2
-    from loco_megatron.training.children import die_with_parent
-    from loco_megatron.training.health import RunAborted
-    from loco_megatron.training.trainer import train  # heavy imports after parsing
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from loco_megatron.progress import progress
+
+    # heavy imports after parsing (tens of seconds on a loaded machine: said, not silent)
+    say = (lambda line: print(line, flush=True)) if env.rank == 0 else None
+    with progress("importing torch and megatron-core", say):
+        from loco_megatron.training.children import die_with_parent
+        from loco_megatron.training.health import RunAborted
+        from loco_megatron.training.trainer import train
+        from torch.distributed.elastic.multiprocessing.errors import record
+        import megatron.core.tokenizers  # noqa: F401 (the larger part, else imported silently by the data set-up)
 
     die_with_parent()  # megatron's forked checkpoint writers must not outlive a killed rank
     try:
