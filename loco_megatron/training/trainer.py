@@ -229,7 +229,9 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
     run.logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, run.env.wandb_offline,
                                wandb_dir=run.env.wandb_dir, wandb_id_file=wandb_id)
     if layout.is_logging_rank:
-        print(startup_summary(config, layout, run.chunks, run.vocab, kernels_why), flush=True)
+        report = getattr(run.grad_sync, "memory_report", None)
+        print(startup_summary(config, layout, run.chunks, run.vocab, kernels_why,
+                              report()["params"] if report and config.loco.enabled else None), flush=True)
         if config.diloco.enabled:
             print(describe_replicas(config, layout.world_size), flush=True)
         print(f"{run.ckpt.start_note} at iteration {run.state.iteration}", flush=True)
