@@ -47,6 +47,10 @@ def main() -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
         import megatron.core.tokenizers  # noqa: F401 (the larger part, else imported silently by the data set-up)
 
+    import torch
+
+    if env.rank != 0 or not torch.cuda.is_available():  # meaningless on CPU; once per run on GPUs
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     die_with_parent()  # megatron's forked checkpoint writers must not outlive a killed rank
     try:
         # record: an unexpected exception's traceback goes to torchrun's error file (its

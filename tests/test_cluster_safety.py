@@ -41,10 +41,13 @@ def test_data_parallel_size_one_is_exact_and_sends_nothing(cache_dir, tmp_path):
     """Guards against quantising gradients that never leave the rank (DP=1): 4-bit LoCo
     must give megatron's losses bit for bit and report 0 bytes sent; and against start-up
     lines that contradict each other (one said nothing is compressed, the next that rank 0
-    hands x0.129 of the bytes to its collectives): one LoCo line, saying nothing is."""
-    args = TINY + ["--train-iters", "4", "--global-batch-size", "4"]
-    _, off = torchrun(1, args + ["--loco-bits", "0"], cache_dir, tmp_path, name="off")
-    proc, on = torchrun(1, args + ["--loco-bits", "4"], cache_dir, tmp_path, name="on")
+    hands x0.129 of the bytes to its collectives): one LoCo line, saying nothing is; and
+    megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (once per rank) on a CPU run. TP 2 on 2
+    ranks, the layout those were seen with."""
+    args = TINY + ["--train-iters", "4", "--global-batch-size", "4", "--tensor-model-parallel-size", "2"]
+    _, off = torchrun(2, args + ["--loco-bits", "0"], cache_dir, tmp_path, name="off")
+    proc, on = torchrun(2, args + ["--loco-bits", "4"], cache_dir, tmp_path, name="on")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in proc.stdout + proc.stderr
     assert train_losses(on) == train_losses(off)
     last = [m for m in on if "comm/grad_bytes_sent" in m][-1]
     assert last["comm/grad_bytes_sent"] == 0 and last["comm/grad_bytes_uncompressed"] == 0
