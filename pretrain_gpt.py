@@ -34,20 +34,33 @@ def main() -> int:
 
         check_inputs_here(config.data)  # before torch is imported: a typo'd path is one line at once
     except ConfigError as e:
-        report_error(e, 0 if dry_run_world is not None else env.rank)
+        report_error(e, 0 if dry_run_world is not None else env.rank, env.error_file)
         return 2
-    from loco_megatron.training.children import die_with_parent
-    from loco_megatron.training.health import RunAborted
-    from loco_megatron.training.trainer import train  # heavy imports after parsing
+    from loco_megatron.progress import progress
 
+    # heavy imports after parsing (tens of seconds on a loaded machine: said, not silent)
+    say = (lambda line: print(line, flush=True)) if env.rank == 0 else None
+    with progress("importing torch and megatron-core", say):
+        from loco_megatron.training.children import die_with_parent
+        from loco_megatron.training.health import RunAborted
+        from loco_megatron.training.trainer import train
+        from torch.distributed.elastic.multiprocessing.errors import record
+        import megatron.core.tokenizers  # noqa: F401 (the larger part, else imported silently by the data set-up)
+
+    import torch
+
+    if env.rank != 0 or not torch.cuda.is_available():  # meaningless on CPU; once per run on GPUs
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     die_with_parent()  # megatron's forked checkpoint writers must not outlive a killed rank
     try:
-        train(config, env)
+        # record: an unexpected exception's traceback goes to torchrun's error file (its
+        # summary's root cause); report_error replaces it with the one line for ours.
+        record(train)(config, env)
     except ConfigError as e:
-        report_error(e, env.rank)
+        report_error(e, env.rank, env.error_file)
         return 2
     except RunAborted as e:  # e.g. too many consecutive skipped steps: every rank agreed
-        report_error(e, env.rank)
+        report_error(e, env.rank, env.error_file)
         return 3
     return 0
 

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import pathlib
 import sys
@@ -52,6 +53,9 @@ class LaunchEnv:
     --distributed-timeout-minutes (hang drills and tests; not a flag on purpose)."""
     hf_hub_offline: bool = False
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set: a hub tokenizer is read from the hub cache only."""
+    error_file: Optional[str] = None
+    """TORCHELASTIC_ERROR_FILE: where torchrun reads why this worker failed; its failure
+    summary shows that text as the root cause (None: not started by torchrun)."""
     started_at: float = dataclasses.field(default_factory=time.time)
     """When this process started (seconds since the epoch): a --stop-file older than this
     is left over from an earlier job."""
@@ -84,6 +88,7 @@ class LaunchEnv:
             distributed_timeout_s=float(environ["LOCO_DISTRIBUTED_TIMEOUT_S"])
             if environ.get("LOCO_DISTRIBUTED_TIMEOUT_S") else None,
             hf_hub_offline=hf_hub_offline(environ),
+            error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
         )
 
 
@@ -291,17 +296,32 @@ def _parse(argv: Optional[Sequence[str]], note: Callable[[str], None] = _stderr_
     return make_config(values, command_line=args), launch
 
 
-def report_error(error: ConfigError, rank: int) -> None:
+def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None) -> None:
     """Print a bad-input error once per run: every rank meets the same validation error
     before the process group exists, so only rank 0 prints it; an error marked
-    ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened."""
+    ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened.
+    A rank that prints also writes the line to ``error_file`` (:attr:`LaunchEnv.error_file`),
+    so torchrun's failure summary names it as the root cause, not ``error_file: <N/A>``."""
     if rank == 0 or getattr(error, "per_rank", False):
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        line = f"pretrain_gpt.py: error: {error}"
+        print(line, file=sys.stderr, flush=True)
+        if error_file:
+            write_error_file(error_file, line)
     else:
         # torchrun stops every worker when the first one exits: leave rank 0 time to print.
-        import time
-
         time.sleep(3.0)
+
+
+def write_error_file(path: str, line: str) -> None:
+    """``line`` as torch elastic's error file (the JSON of its ``ErrorHandler``): torchrun
+    prints ``py_callstack`` after ``traceback :`` in its summary, so it is the line alone.
+    Replaces what ``@record`` wrote there for the same exception (its Python traceback)."""
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    except OSError:  # the line is printed already; the summary then says <N/A>
+        pass
 
 
 def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv]:
@@ -314,6 +334,7 @@ def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, Launc
     """(config, environment, the world size to dry-run or None for a real start); exit(2)
     with one line naming the problem. Deprecation notes are printed by rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
     try:
         config, launch = _parse(argv, _stderr_line if rank == 0 else (lambda line: None))
         env = LaunchEnv.from_environ()
@@ -326,5 +347,5 @@ def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, Launc
             raise ConfigError(f"--world-size: {world} must be >= 1")
         return config, env, world
     except ConfigError as e:
-        report_error(e, rank)
+        report_error(e, rank, error_file)
         raise SystemExit(2)

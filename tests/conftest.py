@@ -50,6 +50,18 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="session")
+def cpu_kernels_built():
+    """The C++ CPU kernels, built here first: a run with --loco-kernels auto on an unbuilt
+    cache trains on torch while they build in the background, so a test that expects auto
+    to pick them asks for this."""
+    from loco_megatron.loco import cpu_kernels
+
+    built = cpu_kernels.extension()
+    assert built is not None, "the C++ CPU kernels did not build on this machine"
+    return built
+
+
 def read_metrics(path) -> list[dict]:
     p = pathlib.Path(path)
     if not p.exists():

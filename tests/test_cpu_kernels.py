@@ -358,7 +358,7 @@ def test_two_hop_layouts_with_the_two_bit_default(ext):
         assert torch.equal(want, got)
 
 
-def test_training_two_bit_default_on_cpu_kernels_matches_torch(cache_dir, tmp_path):
+def test_training_two_bit_default_on_cpu_kernels_matches_torch(cache_dir, tmp_path, cpu_kernels_built):
     """Guards against the 2-bit default (uniform/mse/hadamard) silently running on torch
     under --loco-kernels auto, or its fused path differing from the reference in training:
     2 ranks, auto picks the C++ kernels (named on the start-up line) and the losses equal

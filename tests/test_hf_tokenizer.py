@@ -345,4 +345,4 @@ def test_launch_render_reads_a_hf_tokenizer_json(work, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"vocabulary 400 from {work / 'tok' / 'tokenizer.json'};" in proc.stdout, proc.stdout
-    assert sum(1 for line in proc.stdout.splitlines() if "torch.distributed.run" in line) == 2
+    assert sum(1 for line in proc.stdout.splitlines() if "tools/torchrun.py" in line) == 2

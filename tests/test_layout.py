@@ -101,7 +101,7 @@ def test_launch_render_dry_runs_the_job_it_renders(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "# layout: world 32 = TP 2 x PP 4 x DP 4" in proc.stdout
-    assert sum(1 for l in proc.stdout.splitlines() if "torch.distributed.run" in l) == 4
+    assert sum(1 for l in proc.stdout.splitlines() if "tools/torchrun.py" in l) == 4
 
 
 def test_config_rules_for_expert_folding_are_one_line_errors():

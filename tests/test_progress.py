@@ -26,9 +26,9 @@ def test_corpus_and_tokenizer_builds_are_announced_only_when_they_run(cache_dir,
 
 
 def test_cpu_kernel_build_is_announced_on_first_use_only(tmp_path, monkeypatch):
-    """Guards against the ~1 min first compile of the C++ kernels passing without a word,
-    and against the line on every start once torch's extensions folder holds the library
-    (or after the source changed, when ninja rebuilds, without it)."""
+    """Guards against the first compile of the C++ kernels passing without a word, and
+    against the line on every start once the build folder holds a finished build (or a
+    ``.so`` still being linked taken for one: only the build's own mark counts)."""
     from loco_megatron.loco import cpu_kernels
     from loco_megatron.loco.kernel_choice import resolve_kernels
 
@@ -41,10 +41,122 @@ def test_cpu_kernel_build_is_announced_on_first_use_only(tmp_path, monkeypatch):
 
     lines = []
     assert resolve(lines) == "cpu" and lines == [cpu_kernels.BUILD_NOTE]
-    library = tmp_path / cpu_kernels.NAME / f"{cpu_kernels.NAME}.so"
-    library.write_bytes(b"")  # built after the source was last changed: loads without compiling
+    (cpu_kernels.build_directory() / f"{cpu_kernels.NAME}.so").write_bytes(b"")  # linking, not finished
+    lines = []
+    assert resolve(lines) == "cpu" and lines == [cpu_kernels.BUILD_NOTE]
+    (cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK).touch()
     lines = []
     assert resolve(lines) == "cpu" and lines == []
-    os.utime(library, (0, 0))  # older than the source: ninja rebuilds, so it is announced again
-    assert resolve(lines) == "cpu" and lines == [cpu_kernels.BUILD_NOTE]
     assert "first use only" in cpu_kernels.BUILD_NOTE
+
+
+def test_slow_phase_prints_its_elapsed_time():
+    """Guards against a start-up phase of minutes printing nothing between its first line
+    and its end (a user cannot tell it from a hang): a line with the seconds so far at each
+    interval, none for a phase shorter than one."""
+    import time
+
+    from loco_megatron.progress import progress
+
+    lines = []
+    with progress("doing a slow thing", lines.append, every_s=0.2):
+        time.sleep(0.7)
+    assert len(lines) >= 2 and all(ln.startswith("... still doing a slow thing (") and ln.endswith(" s)")
+                                   for ln in lines), lines
+    lines.clear()
+    with progress("doing a quick thing", lines.append, every_s=5):
+        pass
+    assert lines == []
+
+
+def test_build_folder_is_keyed_on_the_sources_and_the_checkout(tmp_path, monkeypatch):
+    """Guards against two checkouts sharing torch's one extension folder, each one's first
+    run rebuilding the other's kernels (torch's build.ninja names the sources by path) and
+    waiting on its lock; and against an edited header reusing a stale build."""
+    import shutil
+
+    from loco_megatron.loco import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ours = cpu_kernels.build_directory()
+    (ours / cpu_kernels.BUILT_MARK).touch()
+    assert ours.parent == tmp_path / "ext" and not cpu_kernels.needs_build()
+    csrc = tmp_path / "other_checkout" / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+
+    def as_checkout(folder):
+        monkeypatch.setattr(cpu_kernels, "CSRC", folder)
+        monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(folder / f.name for f in cpu_kernels.SOURCES))
+        monkeypatch.setattr(cpu_kernels, "HEADERS", tuple(folder / f.name for f in cpu_kernels.HEADERS))
+        return cpu_kernels.build_directory()
+
+    theirs = as_checkout(csrc)
+    assert theirs != ours and theirs.parent == ours.parent and cpu_kernels.needs_build()
+    assert as_checkout(csrc) == theirs  # stable: the second run finds the first one's build
+    (csrc / "kernels.h").write_text((csrc / "kernels.h").read_text() + "\n// edited\n")
+    assert as_checkout(csrc) not in (ours, theirs)
+
+
+def _resolve(argv, tmp_path, monkeypatch):
+    """resolve_loco_kernels on a CPU device for ``argv``, the C++ build and load replaced by
+    recorders; returns (kernels, why, what was started or loaded, the lines printed)."""
+    import types
+
+    import torch
+
+    from loco_megatron.cli import LaunchEnv, parse_config
+    from loco_megatron.loco import cpu_kernels
+    from loco_megatron.training.kernels import resolve_loco_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    used = []
+    monkeypatch.setattr(cpu_kernels, "extension", lambda *a: used.append("load"))
+    monkeypatch.setattr(cpu_kernels, "start_background_build", lambda: used.append("build") or tmp_path / "log")
+    lines = []
+    config, why, _ = resolve_loco_kernels(parse_config(argv, note=lines.append),
+                                          types.SimpleNamespace(device=torch.device("cpu")), LaunchEnv(), lines.append)
+    return config.loco.loco_kernels, why, used, lines
+
+
+def test_nothing_builds_the_kernels_unless_something_uses_them(tmp_path, monkeypatch):
+    """Guards against --loco-bits 0 building (and waiting for) the C++ kernels nothing runs
+    (the kernels were resolved for ``loco_bits or 4``), and against a first run waiting for
+    the build: ``auto`` starts it in the background and trains on torch, saying so; while
+    DiLoCo's quantised outer exchange and the parameter gather do use them."""
+    from loco_megatron.loco.kernel_choice import BUILDING
+
+    assert _resolve(["--loco-bits", "0"], tmp_path, monkeypatch) == ("torch", None, [], [])
+    for argv in (["--loco-bits", "4"], ["--loco-bits", "0", "--param-gather-bits", "4"],
+                 ["--loco-bits", "0", "--diloco-replicas", "1", "--diloco-outer-bits", "4"]):
+        kernels, why, used, lines = _resolve(argv, tmp_path, monkeypatch)
+        assert (kernels, why, used) == ("torch", BUILDING, ["build"]), argv
+        assert len(lines) == 1 and lines[0].startswith("LoCo: building the C++ CPU kernels in the background"), lines
+    assert _resolve(["--loco-bits", "0", "--diloco-replicas", "1", "--diloco-outer-bits", "0"], tmp_path,
+                    monkeypatch)[:3] == ("torch", None, [])
+
+
+def test_first_run_trains_at_once_while_the_kernels_build_beside_it(cache_dir, tmp_path, monkeypatch):
+    """Guards against a first run waiting minutes, silent, for the C++ build: with an empty
+    extensions folder a 2-rank ``auto`` run says the kernels build in the background, trains
+    on torch at once (the start-up line says why) and leaves the build to its own process;
+    a build that fails (here: no compiler) is recorded, so the next run neither waits for
+    nor restarts it and says why torch runs."""
+    import time
+
+    from conftest import TINY, torchrun, train_losses
+    from loco_megatron.loco import cpu_kernels
+    from loco_megatron.loco.kernel_choice import BUILDING
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4"]
+    proc, metrics = torchrun(2, args, cache_dir, tmp_path, name="first")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("LoCo: building the C++ CPU kernels in the background (log: ") == 1, proc.stdout
+    assert f"kernels: grads torch, params off (megatron's all-gather); torch because {BUILDING}" in proc.stdout
+    assert sorted(train_losses(metrics)) == [1, 2, 3]
+    deadline = time.monotonic() + 240
+    while cpu_kernels.build_failure() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    kernels, why, used, lines = _resolve(["--loco-bits", "4"], tmp_path, monkeypatch)
+    assert (kernels, used, lines) == ("torch", [], []) and why.startswith("the C++ CPU kernels could not be built")

@@ -302,7 +302,7 @@ def test_two_ranks_share_signs_and_reduce_exactly():
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-def test_training_with_every_option_resumes_bit_exact(cache_dir, tmp_path):
+def test_training_with_every_option_resumes_bit_exact(cache_dir, tmp_path, cpu_kernels_built):
     """Guards against an option state missing from checkpoints (stochastic-rounding keys
     that restart, signs that change), options not reaching the compressors, or options
     missing from the metrics' config: 2 ranks, 2 bits with all four options on, train 8

@@ -174,3 +174,29 @@ def test_corrupt_idx_gives_one_line_and_no_stray_traceback(damage, tmp_path, cac
     gc.collect()
     assert stray == [], [s.exc_value for s in stray]
     assert message.startswith(f"--data-path: {bad}.idx is corrupt"), message
+
+
+def test_bad_input_under_torchrun_is_the_failure_summarys_root_cause(tmp_path):
+    """Guards against bad input under torchrun ending in torchrun's summary with
+    ``error_file: <N/A>`` and no cause (the one line lost among 45): the worker writes its
+    line to torch elastic's error file, so bare torchrun's summary names it as the root
+    cause (torchrun exits 1 for any failed worker), and tools/launch_single_node.sh
+    (tools/torchrun.py, also under the Slurm templates) ends in that one line with exit 2."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    line = "pretrain_gpt.py: error: --loco-bits: 3 is not one of 0, 2, 4, 8"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "pretrain_gpt.py", "--loco-bits", "3"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : {line}" in root and "<N/A>" not in root, root
+    assert 'pretrain_gpt.py", line' not in proc.stderr and "loco_megatron" not in proc.stderr  # no worker traceback
+
+    missing = tmp_path / "nope.model"
+    proc = subprocess.run(["bash", "tools/launch_single_node.sh", "configs/tiny_gpt.yaml", "--tokenizer-model",
+                           str(missing), "--data-path", str(tmp_path / "ds")], cwd=REPO,
+                          env=dict(env, NPROC_PER_NODE="2"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    why = f"pretrain_gpt.py: error: --tokenizer-model: {missing} does not exist"
+    assert proc.stderr.strip().splitlines()[-1] == f"torchrun: rank 0 failed with exit code 2: {why}"

@@ -86,7 +86,7 @@ def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides
     nproc = gpus_per_node(env, nproc_per_node)
     port = RDZV_PORT_BASE + int(job) % 1000 if job.isdigit() else RDZV_PORT_BASE
     ckpt = f"{run_dir}/checkpoints"
-    return [python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+    return [python, "tools/torchrun.py", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id=loco-{job}",
             f"--max-restarts={max_restarts}", "pretrain_gpt.py", "--config", config, "--save", ckpt, "--load", ckpt,
             "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--stop-file", f"{run_dir}/STOP", *overrides]

@@ -24,4 +24,4 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarted groups reconnect (torch 2.13, see tools/launch.py)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"  # time to save after SIGTERM
-exec torchrun --max-restarts "${MAX_RESTARTS:-0}" --standalone --nproc-per-node "$NPROC_PER_NODE" pretrain_gpt.py --config "$CONFIG" "$@"
+exec python tools/torchrun.py --max-restarts "${MAX_RESTARTS:-0}" --standalone --nproc-per-node "$NPROC_PER_NODE" pretrain_gpt.py --config "$CONFIG" "$@"

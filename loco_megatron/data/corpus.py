@@ -14,6 +14,7 @@ import sys
 import sysconfig
 from typing import Callable, Optional
 
+from loco_megatron.progress import progress
 from loco_megatron.data.indexed import write_indexed_dataset
 from loco_megatron.data.tokenizer import load_tokenizer, train_sentencepiece
 
@@ -44,7 +45,7 @@ def ensure_default_corpus(cache_dir: str, vocab_size: int,
         if not pathlib.Path(prefix + ".idx").is_file():
             log(f"building the default corpus (tokenising the standard library into {prefix}.bin/.idx, "
                 f"first use only, ~15 s)")
-    with open(out / ".lock", "w") as lock:
+    with open(out / ".lock", "w") as lock, progress("preparing the default corpus", log):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not pathlib.Path(model).is_file():
             tmp_prefix = str(out / "tokenizer.tmp")

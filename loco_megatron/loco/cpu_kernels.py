@@ -3,8 +3,11 @@ decode-and-apply (C++, ``csrc/``: ``loco_cpu.cpp``, the Python module, and the u
 headers it lists in ``kernels.h``).
 
 Built at first use with ``torch.utils.cpp_extension.load`` (ninja + the system C++
-compiler) and cached in torch's extensions folder (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), so later processes only load the ``.so``. The source is
+compiler) into a folder of torch's extensions root (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions/py311_cpu``) named for the sources and the checkout
+(:func:`build_directory`), so later processes only load the ``.so`` and two checkouts never
+rebuild each other's. ``python -m loco_megatron.loco.cpu_kernels`` builds them (what a run
+with ``--loco-kernels auto`` starts in the background, :func:`start_background_build`). The source is
 compiled for baseline x86-64 plus an AVX2+FMA copy of every hot loop, chosen at run time
 by CPU feature detection, so the build runs on any x86-64 CPU (and on other
 architectures, without the AVX2 copy).
@@ -21,6 +24,7 @@ import fcntl
 import functools
 import hashlib
 import pathlib
+import subprocess
 import sys
 from typing import Callable, Optional
 
@@ -38,9 +42,8 @@ the CPU count): one per instruction-set copy of the hot loops, the largest part 
 so that no single compiler process holds all three (``csrc/kernels.h``)."""
 HEADERS = tuple(CSRC / h for h in ("kernels.h", "compress.h", "decompress.h", "param_apply.h", "quant_options.h",
                                    "isa_copy.h", "module.h"))
-"""Included by :data:`SOURCES`; torch's build cache hashes only the sources and the flags,
-so the hash of every source and header goes into a ``-D`` flag (an edited header rebuilds
-the extension)."""
+"""Included by :data:`SOURCES`; their contents are part of the build folder's name
+(:func:`build_directory`), so an edited header builds anew."""
 MAX_BLOCK = 8192
 """Largest --loco-block-size the kernels take (their per-thread block buffers are on the stack)."""
 
@@ -53,23 +56,68 @@ is reused at load time)."""
 NAME = "loco_cpu_kernels"
 BUILD_NOTE = ("building LoCo's C++ CPU kernels (first use only, ~3 min on 2 cores; cached in torch's "
               "extensions folder)")
-"""The line printed before a build. Measured with a fresh TORCH_EXTENSIONS_DIR, under ``nice -n 19`` on 2
-cores shared with other work (load average 3-17), in five units that ninja compiles in parallel: 16 min
-3 s wall, 10 min 16 s of CPU (c++ user seconds per unit: isa_avx2 174, isa_avx512 170, isa_base 168,
-loco_cpu 75, param_apply 24). The one unit before (the hot loops' three copies, the module and the
-dispatch), in the same session: 24 min 18 s wall, 9 min 6 s of CPU, all of it in one compiler process.
-On idle cores the wall time is about the CPU time over the cores (the largest unit is 28% of it), against
-all of it before: from the 4-6 min of one core the one unit took on a quieter machine to about 2.5-3.5 min."""
+"""The line printed before a build in the foreground (``--loco-kernels cpu``). Measured with a fresh
+TORCH_EXTENSIONS_DIR, under ``nice -n 19`` on 2 cores shared with other work (load average 3-17), in five
+units that ninja compiles in parallel: 16 min 3 s wall, 10 min 16 s of CPU (c++ user seconds per unit:
+isa_avx2 174, isa_avx512 170, isa_base 168, loco_cpu 75, param_apply 24). On idle cores the wall time is
+about the CPU time over the cores (the largest unit is 28% of it): about 2.5-3.5 min on 2 cores."""
+BUILT_MARK = "loco_built"
+"""Written into the build folder once the module has been built and loaded: a ``.so`` that
+ninja is still linking is never taken for a finished build."""
+FAILED_MARK = "loco_build_failed"
+"""Written by a background build that failed (no compiler, a compile error), holding the
+reason: later runs do not start it again for the same sources (:func:`build_failure`)."""
+
+
+def _checkout_key() -> str:
+    """16 hex digits of the sha256 of every source and header, the compiler flags and this
+    checkout's path (torch's ``build.ninja`` names the sources by path, so another checkout
+    in the same folder would rebuild it even with identical sources)."""
+    h = hashlib.sha256(str(CSRC).encode())
+    for f in (*SOURCES, *HEADERS):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def build_directory() -> pathlib.Path:
+    """``<torch extensions root>/loco_cpu_kernels_<key>`` (:func:`_checkout_key`), created."""
+    from torch.utils import cpp_extension
+
+    return pathlib.Path(cpp_extension._get_build_directory(f"{NAME}_{_checkout_key()}", verbose=False))
 
 
 def needs_build() -> bool:
-    """Whether loading the kernels compiles them first: no built library in torch's
-    extensions folder yet, or one older than any of its sources or headers (then it is rebuilt)."""
-    from torch.utils import cpp_extension
+    """Whether loading the kernels compiles them first (no finished build in
+    :func:`build_directory` yet)."""
+    return not (build_directory() / BUILT_MARK).is_file()
 
-    # torch's own folder choice ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu).
-    built = pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False)) / f"{NAME}.so"
-    return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (*SOURCES, *HEADERS))
+
+def build_failure() -> Optional[str]:
+    """Why the background build of these sources failed (one line, naming its log), or None."""
+    mark = build_directory() / FAILED_MARK
+    return (mark.read_text().strip() or "see its log") if mark.is_file() else None
+
+
+def start_background_build() -> Optional[pathlib.Path]:
+    """Start ``python -m loco_megatron.loco.cpu_kernels`` as a process of its own (its own
+    session: it outlives this run, which it never slows by a lock), writing its output to
+    ``build.log`` in :func:`build_directory`; returns that log, or None when a build of this
+    folder is already running (its flock is held), which is then left to finish."""
+    folder = build_directory()
+    with open(folder / "loco_build.flock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    log = folder / "build.log"
+    with open(log, "w") as out:
+        # cwd: the checkout, so that ``-m`` imports this package (and builds these sources).
+        subprocess.Popen([sys.executable, "-m", "loco_megatron.loco.cpu_kernels"], stdout=out,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                         cwd=str(CSRC.parents[2]))
+    return log
 
 
 @contextlib.contextmanager
@@ -102,11 +150,13 @@ def build_lock(build_dir: pathlib.Path):
 def _build_with_torch(verbose: bool = False):
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))).hexdigest()[:16]
-    with build_lock(pathlib.Path(cpp_extension._get_build_directory(NAME, verbose=False))):
-        return cpp_extension.load(name=NAME, sources=[str(f) for f in SOURCES],
-                                  extra_cflags=CFLAGS + [f"-DLOCO_HEADERS_{digest}"], extra_ldflags=["-fopenmp"],
-                                  verbose=verbose)
+    folder = build_directory()
+    with build_lock(folder):
+        module = cpp_extension.load(name=NAME, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+        (folder / BUILT_MARK).touch()
+        (folder / FAILED_MARK).unlink(missing_ok=True)
+        return module
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,3 +268,19 @@ def param_apply(codes: torch.Tensor, scales: torch.Tensor, layout, src: torch.Te
                                          empty if new is None else new, empty if dst2 is None else dst2,
                                          bool(swap), isa, empty if signs is None else signs,
                                          _rot_scale(layout.block_size)))
+
+
+if __name__ == "__main__":  # the background build (start_background_build)
+    import os
+    import time
+
+    os.nice(10)  # the training ranks beside it come first (the compilers inherit this)
+    t0 = time.monotonic()
+    print(f"building LoCo's C++ CPU kernels in {build_directory()}", flush=True)
+    try:
+        _build_with_torch(verbose=True)
+    except Exception as e:  # recorded, so that later runs neither wait for nor retry it
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        (build_directory() / FAILED_MARK).write_text(f"{reason} (log: {build_directory() / 'build.log'})\n")
+        raise
+    print(f"built in {time.monotonic() - t0:.0f} s", flush=True)

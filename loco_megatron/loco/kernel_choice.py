@@ -6,11 +6,17 @@ from __future__ import annotations
 import importlib.util
 from typing import Callable, Optional, Sequence
 
+from loco_megatron.progress import progress
+
+
+BUILDING = "the C++ CPU kernels are building in the background (first run only)"
+"""Why ``auto`` runs torch on a CPU device while a first build runs (:func:`choose_kernels`)."""
+
 
 def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, block_size: int,
                    error_bits: int, error_feedback: bool, cpu_builder: Optional[Callable] = None,
                    options: Sequence[str] = (), announce: Optional[Callable[[str], None]] = None,
-                   param_gather_bits: int = 0) -> tuple[str, Optional[str]]:
+                   param_gather_bits: int = 0, background: bool = False) -> tuple[str, Optional[str]]:
     """``(kernels, why)``: ``"torch"``, ``"triton"`` or ``"cpu"`` for ``--loco-kernels choice``,
     and, when a fused path was possible in principle but torch runs (``auto`` on a shape or
     option the device's kernels cannot serve, or a C++ build that failed), one phrase
@@ -24,7 +30,11 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
     ``auto``: triton on CUDA, cpu on a CPU device when the C++ extension builds, else torch.
     ``cpu`` whose extension cannot be built (no compiler) falls back to torch, with one
     line printed once (:func:`.cpu_kernels.extension`; ``cpu_builder`` replaces the build).
-    ``announce`` gets one line before the C++ kernels are compiled (first use only).
+    ``announce`` gets one line before the C++ kernels are compiled (first use only), and
+    one line with the time taken every 20 s while they compile.
+    ``background``: ``auto`` on a CPU device does not wait for a first build: it returns
+    torch with :data:`BUILDING` as the reason (the caller starts the build, see
+    :func:`.cpu_kernels.start_background_build`); ``cpu`` (demanded) still builds here.
     ``param_gather_bits`` (``--param-gather-bits``, 0: off): the parameter gather runs on
     the same kernels, so the narrower of the two widths sizes the smallest Triton block.
     """
@@ -40,9 +50,14 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
             if choice == "auto":
                 return "torch", f"--loco-kernels cpu {why}"
             raise ValueError(f"--loco-kernels cpu {why}")
-        if announce is not None and cpu_kernels.needs_build():
+        building = cpu_kernels.needs_build()
+        if building and background and choice == "auto":
+            failed = cpu_kernels.build_failure()
+            return "torch", BUILDING if failed is None else f"the C++ CPU kernels could not be built ({failed})"
+        if announce is not None and building:
             announce(cpu_kernels.BUILD_NOTE)
-        built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
+        with progress("building LoCo's C++ CPU kernels", announce if building else None):
+            built = cpu_kernels.extension(*([cpu_builder] if cpu_builder else []))
         return ("cpu", None) if built is not None else ("torch", "the C++ CPU kernels could not be built")
     why = None
     if importlib.util.find_spec("triton") is None:

@@ -75,11 +75,14 @@ def loco_settings(config: Config) -> str:
 
 
 def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_size: int,
-                    kernels_why: Optional[str] = None) -> str:
+                    kernels_why: Optional[str] = None, compressed: Optional[int] = None) -> str:
     """Lines describing the run (for rank 0's console); ``chunks`` are this rank's DDP
     model chunks, so 'this rank' figures are rank 0's. ``kernels_why``: why the gradients'
     compression runs on torch where a fused path might have (see
-    :func:`~loco_megatron.loco.kernel_choice.choose_kernels`)."""
+    :func:`~loco_megatron.loco.kernel_choice.choose_kernels`). ``compressed``: the gradient
+    elements LoCo compresses on rank 0 (its hook's ``memory_report()["params"]``; None: all);
+    0 (no data-parallel group of more than one rank) makes the LoCo line say so instead of
+    promising compressed bytes."""
     lc = config.loco
     here = sum(param.numel() for chunk in chunks for param in chunk.parameters())
     numel, raw = _grad_buffer_bytes(chunks, config)
@@ -88,7 +91,10 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         layout_line(config, layout.world_size, layout.dp_size, config.expert_data_parallel_size(layout.world_size)),
         batch_line(config, layout.dp_size),
     ]
-    if lc.enabled:
+    if lc.enabled and compressed == 0:
+        lines.append(f"{loco_settings(config)}; no data-parallel group of more than one rank here, so nothing is "
+                     f"compressed: gradients ({raw / 2**20:.2f} MiB on rank 0) are synced exactly")
+    elif lc.enabled:
         sent = numel * lc.loco_bits // 8 + 4 * -(-numel // lc.loco_block_size)
         lines.append(
             f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
@@ -105,7 +111,8 @@ def memory_line(grad_sync, param_sync) -> str:
     """One start-up line: what LoCo (``grad_sync``) and the compressed parameter gather
     (``param_sync``) keep and need at most on this rank ("" when neither is on)."""
     parts = []
-    if hasattr(grad_sync, "memory_report"):
+    if hasattr(grad_sync, "memory_report") and grad_sync.memory_report()["params"]:
+        # (nothing compressed here: the start-up summary's LoCo line says so)
         parts.append(loco_memory_part(grad_sync.memory_report()))
     if hasattr(param_sync, "memory_report"):
         mem = param_sync.memory_report()
@@ -120,8 +127,7 @@ def memory_line(grad_sync, param_sync) -> str:
 
 
 def loco_memory_part(mem: dict) -> str:
-    if not mem["params"]:
-        return "LoCo: no data-parallel group of more than one rank here: gradients are synced exactly, uncompressed"
+    """What LoCo keeps and needs at most on rank 0 (``mem["params"]`` > 0 compressed elements)."""
     per = lambda b: b / mem["params"]  # noqa: E731
     return (f"LoCo memory on rank 0: error buffers {mem['persistent'] / 2**20:.1f} MiB "
             f"({per(mem['persistent']):.3f} B/param), transient up to {mem['transient'] / 2**20:.1f} MiB "

@@ -18,8 +18,6 @@ from loco_megatron.diloco.layout import check_replicas, describe as describe_rep
 from loco_megatron.diloco.setup import build_outer_step
 from loco_megatron.distributed import ParallelLayout, init_distributed, shutdown_distributed
 from loco_megatron.loco.collectives import TORCH_OPS
-from loco_megatron.loco.kernel_choice import choose_kernels
-from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.hooks import GradSyncHook
 from loco_megatron.loco.hooks.fsdp import fsdp_factories
 from loco_megatron.loco.hooks import ParamGatherHook
@@ -32,6 +30,7 @@ from loco_megatron.optimizer import build_optimizer, build_scheduler
 from loco_megatron.platform import Platform, detect_platform, platform_context
 from loco_megatron.training.flops import throughput_for
 from loco_megatron.training.health import RunAborted, SkipGuard
+from loco_megatron.training.kernels import BackgroundBuild, agree_kernels, resolve_loco_kernels
 from loco_megatron.training.log_window import (accumulate, accumulate_param, log_window, param_sums_across_ranks,
                                                reduce_for_logging)
 from loco_megatron.training.preflight import check_start
@@ -63,13 +62,17 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     precheck.check_save_target(precheck.find_resume_dir())  # bad --load/--save: fail before any set-up
 
     platform = detect_platform(env.local_rank)
-    config, kernels_why = _resolve_loco_kernels(config, platform, env)  # may build the C++ kernels
+    asked = config.loco.loco_kernels
+    # --loco-kernels cpu may build the C++ kernels here; auto starts a first build in the background.
+    config, kernels_why, build = resolve_loco_kernels(config, platform, env, _rank0_print(env.rank == 0))
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
                                   env.distributed_timeout_s)
         try:
+            config, kernels_why = agree_kernels(config, asked, kernels_why, platform.device)
             run = _set_up(config, env, platform, layout, sources, cache_dir, grad_sync_factory, param_sync_factory,
                           outer_step_factory)
+            run.build = build
             _start(run, kernels_why)
             return _loop(run)
         except ConfigError as e:
@@ -79,34 +82,6 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
             raise
         finally:
             shutdown_distributed()
-
-
-def _resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv) -> tuple[Config, Optional[str]]:
-    """Turn ``--loco-kernels auto`` into torch, cpu or triton for this device (one-line error
-    when a fused path is demanded and cannot run), and fill in the ranks per node. Also
-    returns why torch runs where a fused path might have (None otherwise), for the
-    start-up summary."""
-    lc = config.loco
-    try:
-        kernels, why = choose_kernels(lc.loco_kernels, platform.device.type, env.triton_interpret, lc.loco_bits or 4,
-                                  lc.loco_block_size, lc.loco_error_bits, lc.loco_error_feedback,
-                                  options=QuantOptions(lc.loco_quantizer, lc.loco_scale, lc.loco_rotation,
-                                                       lc.loco_rounding).non_default() if lc.enabled else (),
-                                  announce=_rank0_print(env.rank == 0), param_gather_bits=lc.param_gather_bits)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    per_node = lc.loco_ranks_per_node or env.local_world_size
-    if env.world_size % per_node:
-        raise ConfigError(f"--loco-ranks-per-node: {per_node} does not divide the world size {env.world_size}")
-    instances = config.parallel.num_distributed_optimizer_instances
-    if lc.enabled and instances > 1 and instances != env.world_size // per_node:
-        # Each instance (a model shard group) must be one node, so only the compressed
-        # replica reduction crosses nodes.
-        raise ConfigError(f"--num-distributed-optimizer-instances: {instances} is not the number of nodes "
-                          f"({env.world_size} ranks / --loco-ranks-per-node {per_node}); LoCo compresses the "
-                          f"cross-node reduction of HSDP")
-    return dataclasses.replace(config, loco=dataclasses.replace(lc, loco_kernels=kernels,
-                                                                  loco_ranks_per_node=per_node)), why
 
 
 def _configure_schedules(model_chunks: list, optimizer, after_finalize: Optional[Callable] = None) -> None:
@@ -162,6 +137,8 @@ class _Run:
     vocab: int
     """Padded vocabulary size."""
     logger: Optional[MetricsLogger] = None
+    build: Optional[BackgroundBuild] = None
+    """The C++ kernels' first build, running beside this run (says when it is done)."""
 
 
 def _layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
@@ -252,7 +229,9 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
     run.logger = MetricsLogger(config.logging, run_config, layout.is_logging_rank, run.env.wandb_offline,
                                wandb_dir=run.env.wandb_dir, wandb_id_file=wandb_id)
     if layout.is_logging_rank:
-        print(startup_summary(config, layout, run.chunks, run.vocab, kernels_why), flush=True)
+        report = getattr(run.grad_sync, "memory_report", None)
+        print(startup_summary(config, layout, run.chunks, run.vocab, kernels_why,
+                              report()["params"] if report and config.loco.enabled else None), flush=True)
         if config.diloco.enabled:
             print(describe_replicas(config, layout.world_size), flush=True)
         print(f"{run.ckpt.start_note} at iteration {run.state.iteration}", flush=True)
@@ -342,6 +321,8 @@ def _log_eval_save(run: _Run, window: dict, totals: RunTotals, last: dict, token
         last = log_window(window, state, run.optimizer, run.layout, run.device, tokens_per_step, run.logger,
                           t.train_iters, run.throughput, bool(config.loco.param_gather_bits), run.outer)
         totals.note(state.iteration, last)
+        if run.build is not None:
+            run.build.poll()
     if t.eval_interval and (state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters):
         evaluated = _run_eval(config, run.chunks, run.valid_ds, run.layout, run.device, state, run.logger)
         totals.note(state.iteration, evaluated)
