@@ -99,6 +99,10 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         lines.append(
             f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")
+    elif layout.dp_size // max(config.diloco.diloco_replicas, 1) == 1:
+        inside = " inside a DiLoCo replica" if config.diloco.diloco_replicas > 1 else ""
+        lines.append(f"LoCo: off; no data-parallel group of more than one rank{inside}: no gradients are "
+                     f"reduced between ranks at each step")
     else:
         lines.append(f"LoCo: off; rank 0 reduce-scatters {raw / 2**20:.2f} MiB of gradients per step")
     if lc.enabled or lc.param_gather_bits:
