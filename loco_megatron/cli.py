@@ -317,15 +317,18 @@ def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None
     """Print a bad-input error once per run: every rank meets the same validation error
     before the process group exists, so only rank 0 prints it; an error marked
     ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened.
-    Every rank writes the line to ``error_file`` (:attr:`LaunchEnv.error_file`), so
-    torchrun's failure summary names it as the root cause, not ``error_file: <N/A>`` nor the
-    traceback ``@record`` wrote there, whichever rank it takes for the first failure."""
+    A rank that prints also writes the line to ``error_file`` (:attr:`LaunchEnv.error_file`),
+    so torchrun's failure summary names it as the root cause, not ``error_file: <N/A>``; the
+    others remove theirs (the traceback ``@record`` wrote there), so the summary shows the
+    line once and never a traceback in its place."""
     line = f"pretrain_gpt.py: error: {error}"
-    if error_file:
-        write_error_file(error_file, line)
     if rank == 0 or getattr(error, "per_rank", False):
         print(line, file=sys.stderr, flush=True)
+        if error_file:
+            write_error_file(error_file, line)
     else:
+        if error_file:
+            pathlib.Path(error_file).unlink(missing_ok=True)
         # torchrun stops every worker when the first one exits: leave rank 0 time to print.
         time.sleep(3.0)
 
