@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import pathlib
+import re
 import sys
 import textwrap
 import time
@@ -292,8 +293,24 @@ def _parse(argv: Optional[Sequence[str]], note: Callable[[str], None] = _stderr_
     for name, (other, off) in ALTERNATIVES.items():
         if name in args and other not in args:
             values[other] = off
+    from_file = set(values) - set(args)
     values.update(args)
-    return make_config(values, command_line=args), launch
+    try:
+        return make_config(values, command_line=args), launch
+    except ConfigError as e:
+        raise _naming_the_file(e, config_path, from_file, set(args)) from None
+
+
+def _naming_the_file(error: ConfigError, path: str, from_file: set[str], given: set[str]) -> ConfigError:
+    """``error`` (``--flag: why``) as ``--config: PATH, key flag: why`` when the value of
+    ``flag`` came from the config file at ``path`` (``from_file``) and ``why`` names no flag
+    given on the command line (``given``: then the flags say it best), so the user knows
+    which file to edit; unchanged otherwise."""
+    flag, sep, why = str(error).partition(": ")
+    named = {m.replace("-", "_") for m in re.findall(r"--([a-z][a-z0-9-]*)", why)}
+    if sep and flag.startswith("--") and flag[2:].replace("-", "_") in from_file and not named & given:
+        return ConfigError(f"--config: {path}, key {flag[2:]}: {why}")
+    return error
 
 
 def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None) -> None:
@@ -301,13 +318,17 @@ def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None
     before the process group exists, so only rank 0 prints it; an error marked
     ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened.
     A rank that prints also writes the line to ``error_file`` (:attr:`LaunchEnv.error_file`),
-    so torchrun's failure summary names it as the root cause, not ``error_file: <N/A>``."""
+    so torchrun's failure summary names it as the root cause, not ``error_file: <N/A>``; the
+    others remove theirs (the traceback ``@record`` wrote there), so the summary shows the
+    line once and never a traceback in its place."""
+    line = f"pretrain_gpt.py: error: {error}"
     if rank == 0 or getattr(error, "per_rank", False):
-        line = f"pretrain_gpt.py: error: {error}"
         print(line, file=sys.stderr, flush=True)
         if error_file:
             write_error_file(error_file, line)
     else:
+        if error_file:
+            pathlib.Path(error_file).unlink(missing_ok=True)
         # torchrun stops every worker when the first one exits: leave rank 0 time to print.
         time.sleep(3.0)
 

@@ -191,3 +191,17 @@ def test_skipped_steps_log_no_grad_norm(cache_dir, tmp_path):
     assert sorted(by_iter) == [1, 2, 3]
     assert "train/grad_norm" not in by_iter[1] and "train/grad_norm" not in by_iter[2], by_iter
     assert by_iter[3]["train/grad_norm"] > 0 and by_iter[3]["train/skipped_iters"] == 2
+
+
+def test_wandb_dashboard_without_a_login_is_one_line(tmp_path):
+    """Guards against the dashboard tool ending in a 33-line traceback when W&B is not
+    logged in (the report asks the API for the default entity while it is built, before
+    the save that caught errors): one line naming the cause, non-zero exit."""
+    pytest.importorskip("wandb_workspaces")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_MODE="offline", WANDB_CONFIG_DIR=str(tmp_path / "wandb"))
+    proc = subprocess.run([sys.executable, "tools/wandb_dashboard.py", "--project", "p", "--group", "g"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, lines[-5:]
+    assert lines[0].startswith("error: could not save the wandb report: not logged in"), lines

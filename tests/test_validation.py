@@ -128,17 +128,26 @@ def test_flag_error_is_one_line_from_rank_0_only(argv, needle, monkeypatch, caps
 
 
 def test_yaml_bool_for_a_number_is_refused(tmp_path):
-    """Guards against YAML `num-layers: true` being taken as 1 (bool is an int in Python)."""
+    """Guards against YAML `num-layers: true` being taken as 1 (bool is an int in Python),
+    and against a bad value from a config file not naming the file and key (the user
+    looked for a flag they never typed); a flag given on the command line is named as one."""
+    import re
+
     from loco_megatron.cli import parse_config
     from loco_megatron.config import ConfigError
 
     cfg = tmp_path / "c.yaml"
+    at = re.escape(f"--config: {cfg}, key ")
     cfg.write_text("num-layers: true\n")
-    with pytest.raises(ConfigError, match=r"^--num-layers: True is not an int$"):
+    with pytest.raises(ConfigError, match=f"^{at}num-layers: True is not an int$"):
         parse_config(["--config", str(cfg)])
-    cfg.write_text("lr: false\n")
-    with pytest.raises(ConfigError, match=r"^--lr: False is not a float$"):
+    cfg.write_text("lr: false\nloco-bits: 3\n")
+    with pytest.raises(ConfigError, match=f"^{at}lr: False is not a float$"):
         parse_config(["--config", str(cfg)])
+    with pytest.raises(ConfigError, match=f"^{at}loco-bits: 3 is not one of 0, 2, 4, 8$"):
+        parse_config(["--config", str(cfg), "--lr", "0.1"])
+    with pytest.raises(ConfigError, match="^--loco-bits: 5 is not one of"):
+        parse_config(["--config", str(cfg), "--lr", "0.1", "--loco-bits", "5"])
 
 
 def test_tokenizer_model_directory_is_named_as_such(tmp_path):

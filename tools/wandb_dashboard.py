@@ -92,11 +92,12 @@ def main() -> None:
         import wandb_workspaces  # noqa: F401
     except ImportError:
         sys.exit("error: the reports API needs wandb-workspaces: pip install -r requirements-wandb-reports.txt")
-    report = build_report(args.project, args.entity, args.group, args.title)
-    try:
+    try:  # building it asks the API for the default entity already (not logged in: raises there)
+        report = build_report(args.project, args.entity, args.group, args.title)
         report.save()
     except Exception as e:  # not logged in, no network, unknown project: one line
-        sys.exit(f"error: could not save the wandb report: {str(e).splitlines()[0] if str(e) else e!r}")
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        sys.exit(f"error: could not save the wandb report: {why}")
     print(report.url)
 
 

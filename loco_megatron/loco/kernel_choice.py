@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 from loco_megatron.progress import progress
 
 
-BUILDING = "the C++ CPU kernels are building in the background (first run only)"
+BUILDING = "the C++ CPU kernels are building in the background (first use only)"
 """Why ``auto`` runs torch on a CPU device while a first build runs (:func:`choose_kernels`)."""
 
 

@@ -35,9 +35,10 @@ class BackgroundBuild:
 
         self._say, self._t0, self._done = say, time.monotonic(), False
         log = cpu_kernels.start_background_build() if start else None
-        where = f"log: {log}" if log is not None else f"already under way in {cpu_kernels.build_directory()}"
-        say(f"LoCo: building the C++ CPU kernels in the background ({where}); this run trains on the torch "
-            f"reference, which computes the same bits, and runs after the build use the kernels")
+        where = f"log: {log}" if log is not None else f"under way in {cpu_kernels.build_directory()}"
+        # "first use only": one-time lines, as the corpus's (a run's other lines repeat exactly)
+        say(f"LoCo: building the C++ CPU kernels in the background (first use only; {where}); this run "
+            f"trains on the torch reference, which computes the same bits, and runs after the build use the kernels")
 
     def poll(self) -> None:
         """One line, once, when the build has finished (a file test; no collective)."""
@@ -45,8 +46,8 @@ class BackgroundBuild:
 
         if not self._done and not cpu_kernels.needs_build():
             self._done = True
-            self._say(f"LoCo: the C++ CPU kernels are built ({time.monotonic() - self._t0:.0f} s after the "
-                      f"start); the next run uses them")
+            self._say(f"LoCo: the C++ CPU kernels are built (first use only; {time.monotonic() - self._t0:.0f} s "
+                      f"after the start); the next run uses them")
 
 
 def resolve_loco_kernels(config: Config, platform: Platform, env: LaunchEnv, say: Callable[[str], None]
