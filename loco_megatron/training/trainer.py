@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from loco_megatron.checkpoint import Checkpointer
+from loco_megatron.checkpoint.model_shape import model_shape
 from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
@@ -173,7 +174,7 @@ def _layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
             **({"vpp": vpp} if vpp > 1 else {}),
             # (only when folded: checkpoints written before the flag existed stay loadable)
             **({"etp": p.expert_tp} if p.expert_tp != p.tensor_model_parallel_size else {}),
-            "model": [config.model.num_layers, config.model.hidden_size, vocab, config.model.num_experts],
+            "model": model_shape(config.model, vocab),
             # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
             # same buckets: with this in the layout a bucket change is refused in one line.
             "bucket": p.ddp_bucket_size or 0,
@@ -244,6 +245,7 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
     if run.resume is not None:
         _print_rank0(layout, f"loading checkpoint {run.resume}")
         run.ckpt.load(run.resume, run.stateful)
+        _check_train_iters(config.train.train_iters, run.state.iteration, run.resume)
     flat = config.to_flat_dict()
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**flat, "world_size": layout.world_size, "data_parallel_size": layout.dp_size,
@@ -262,6 +264,17 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
         run.logger.log(run.state.iteration, timing)
 
 
+def _check_train_iters(train_iters: int, loaded: int, path: pathlib.Path) -> None:
+    """A --train-iters below the loaded iteration is a mistake (exit 2: nothing would train,
+    and the run would end behind its own checkpoint); equal to it, the run is complete:
+    it says so and ends (exit 0, nothing re-saved), so re-running a finished job is harmless."""
+    if train_iters < loaded:
+        error = ConfigError(f"--train-iters {train_iters} is below iteration {loaded} of the checkpoint it "
+                            f"resumes from ({path}): nothing to train; raise --train-iters to continue")
+        error.agreed = True  # every rank loaded the same iteration: printed once
+        raise error
+
+
 def _loop(run: _Run) -> dict:
     """Train until --train-iters or an agreed stop; save; the end-of-run summary. Returns
     rank 0's last logged metrics."""
@@ -271,7 +284,7 @@ def _loop(run: _Run) -> dict:
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
               "grad_norm": None, "skipped": 0, "comm": {}, "loco": None, "param": None}
-    stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at)
+    stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at, launcher_pid=run.env.launcher_pid)
     totals = RunTotals(state.iteration, state.tokens_seen, state.train_time_s)
     stop.discard_stale_file()
     stop.install()
@@ -304,7 +317,9 @@ def _loop(run: _Run) -> dict:
                 break
         if run.outer is not None:  # no outer exchange outlives the run (a save also settles them)
             run.outer.settle()
-        if ckpt.save_root and not _save_due(config, state.iteration):
+        if state.iteration == totals.start_iteration:  # resumed at --train-iters: nothing trained, nothing to save
+            _print_rank0(layout, f"nothing to train: resumed at iteration {state.iteration}, which is --train-iters")
+        elif ckpt.save_root and not _save_due(config, state.iteration):
             _save(run, window)
         ckpt.wait()  # the last (or stop-requested) save is committed before exit
         for timing in ckpt.take_timings():
@@ -313,6 +328,8 @@ def _loop(run: _Run) -> dict:
         if layout.is_logging_rank:
             print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
             run.logger.summary(state.iteration, summary)
+        if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
+            raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
     except RunAborted:  # every rank raises it at the same step: the in-flight save can be finalized
         _print_rank0(layout, ckpt.finish_in_flight(agreed=True))
         raise
