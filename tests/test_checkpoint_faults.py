@@ -396,8 +396,8 @@ def test_train_iters_below_the_loaded_iteration_is_refused(tmp_path):
     """Guards against ``--train-iters 2`` with a checkpoint at iteration 4 exiting 0 with no
     word (issue 32): below the loaded iteration it is a one-line error (exit 2), printed
     once; equal to it, the run says there is nothing to train (see the resume test)."""
-    from loco_megatron.training.trainer import _check_train_iters
+    from loco_megatron.training.schedule import check_train_iters
 
-    line = _refused(lambda: _check_train_iters(2, 4, tmp_path / "iter_0000004"))
+    line = _refused(lambda: check_train_iters(2, 4, tmp_path / "iter_0000004"))
     assert line.startswith("--train-iters 2 is below iteration 4 of the checkpoint") and "nothing to train" in line
-    _check_train_iters(4, 4, tmp_path / "iter_0000004")  # a finished run: not an error
+    check_train_iters(4, 4, tmp_path / "iter_0000004")  # a finished run: not an error

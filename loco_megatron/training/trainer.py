@@ -37,7 +37,7 @@ from loco_megatron.training.log_window import (accumulate, accumulate_param, log
                                                reduce_for_logging)
 from loco_megatron.training.preflight import check_start
 from loco_megatron.training.profiling import Profiler
-from loco_megatron.training.schedule import ResumedSchedule
+from loco_megatron.training.schedule import ResumedSchedule, check_train_iters
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import RunTotals, end_summary, memory_line, startup_summary
 from loco_megatron.training.state import FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState, TrainerState
@@ -245,7 +245,7 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
     if run.resume is not None:
         _print_rank0(layout, f"loading checkpoint {run.resume}")
         run.ckpt.load(run.resume, run.stateful)
-        _check_train_iters(config.train.train_iters, run.state.iteration, run.resume)
+        check_train_iters(config.train.train_iters, run.state.iteration, run.resume)
     flat = config.to_flat_dict()
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**flat, "world_size": layout.world_size, "data_parallel_size": layout.dp_size,
@@ -262,17 +262,6 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
             print(run.stateful["scheduler"].note, flush=True)
     for timing in run.ckpt.take_timings():  # ckpt/load_s
         run.logger.log(run.state.iteration, timing)
-
-
-def _check_train_iters(train_iters: int, loaded: int, path: pathlib.Path) -> None:
-    """A --train-iters below the loaded iteration is a mistake (exit 2: nothing would train,
-    and the run would end behind its own checkpoint); equal to it, the run is complete:
-    it says so and ends (exit 0, nothing re-saved), so re-running a finished job is harmless."""
-    if train_iters < loaded:
-        error = ConfigError(f"--train-iters {train_iters} is below iteration {loaded} of the checkpoint it "
-                            f"resumes from ({path}): nothing to train; raise --train-iters to continue")
-        error.agreed = True  # every rank loaded the same iteration: printed once
-        raise error
 
 
 def _loop(run: _Run) -> dict:
