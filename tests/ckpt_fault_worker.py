@@ -5,7 +5,8 @@ what every rank saw:
     torchrun --nproc_per_node N tests/ckpt_fault_worker.py SCENARIO[,SCENARIO...] ROOT
 
 Each scenario runs in ``ROOT/SCENARIO``: a stand-in model's checkpoint at iteration 1, then
-the fault. Save faults (on iteration 2's save): build (rank 1's state-dict build: MemoryError),
+the fault. Save faults (on iteration 2's save): build (rank 1's state-dict build: MemoryError;
+torch_build: the same under --ckpt-format torch),
 staging (rank 1's copy to host memory: a device OOM), staging_async (the same under
 --async-save, in the foreground part), shard (rank 1's shard write: disk full), common
 (rank 0's common.pt: disk full), async (rank 1's background shard write: disk full),
@@ -77,8 +78,8 @@ def full_save(real_save):
     return save
 
 
-SAVE_FAULTS = ("build", "staging", "staging_async", "shard", "common", "async", "dcp_metadata", "metadata_json",
-               "sidecar")
+SAVE_FAULTS = ("build", "torch_build", "staging", "staging_async", "shard", "common", "async", "dcp_metadata",
+               "metadata_json", "sidecar")
 
 
 def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, model: Weights) -> None:
@@ -95,6 +96,8 @@ def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, mo
 
     if scenario == "build" and rank == 1:
         stack.enter_context(mock.patch.object(model, "sharded_state_dict", fail(MemoryError())))
+    if scenario == "torch_build" and rank == 1:
+        stack.enter_context(mock.patch.object(model, "state_dict", fail(MemoryError())))
     if scenario in ("staging", "staging_async") and rank == 1:
         oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         stack.enter_context(mock.patch.object(filesystem_async.FileSystemWriterAsync, "preload_tensors",
@@ -114,7 +117,7 @@ def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, mo
 
 def run(scenario: str, root: pathlib.Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    fmt = "torch" if scenario == "torch_corrupt" else "torch_dist"
+    fmt = "torch" if scenario in ("torch_corrupt", "torch_build") else "torch_dist"
     layout = {"world_size": world, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
     ck = Checkpointer(str(root), None, rank, layout, ckpt_format=fmt, async_save=scenario in ("async", "staging_async"),
                       log=lambda _: None)

@@ -86,6 +86,7 @@ def _per_rank(out: str, tag: str) -> dict[int, str]:
 
 FAULTS = {  # scenario of tests/ckpt_fault_worker.py: what its one line names
     "build": ["building the state to save into", "iter_0000002.tmp", "failed on rank 1", "MemoryError"],
+    "torch_build": ["building the state to save into", "iter_0000002.tmp", "failed on rank 1", "MemoryError"],
     "staging": ["staging or writing", "iter_0000002.tmp", "failed on rank 1", "CUDA out of memory"],
     "staging_async": ["staging", "iter_0000002.tmp for --async-save failed on rank 1", "CUDA out of memory"],
     "shard": ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"],

@@ -247,10 +247,14 @@ class Checkpointer:
         return torch_dist.describe_write_failure(e, tmp) or f"writing {tmp} failed (details on rank 0)"
 
     def _write_rank_file(self, tmp: pathlib.Path, iteration: int, stateful: dict) -> str:
-        """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum)."""
-        payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
-                   **{name: obj.state_dict() for name, obj in stateful.items()}}
+        """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum);
+        this rank's one line when that failed (the caller's agreement ends the save)."""
         part = tmp / f"rank_{self.rank:05d}.pt.part"
+        try:
+            payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
+                       **{name: obj.state_dict() for name, obj in stateful.items()}}
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the others must not wait for this rank
+            return f"building the state to save into {tmp} failed on rank {self.rank} ({cause(e, tmp)})"
         try:
             torch.save(payload, part)
             fsync(part)
