@@ -60,6 +60,9 @@ class LaunchEnv:
     started_at: float = dataclasses.field(default_factory=time.time)
     """When this process started (seconds since the epoch): a --stop-file older than this
     is left over from an earlier job."""
+    launcher_pid: Optional[int] = None
+    """The torchrun agent that started this rank (TORCHELASTIC_RUN_ID set: it is the parent
+    process), watched so the ranks stop when it dies; None without torchrun."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -90,6 +93,7 @@ class LaunchEnv:
             if environ.get("LOCO_DISTRIBUTED_TIMEOUT_S") else None,
             hf_hub_offline=hf_hub_offline(environ),
             error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
+            launcher_pid=os.getppid() if environ.get("TORCHELASTIC_RUN_ID") else None,
         )
 
 

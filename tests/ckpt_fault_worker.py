@@ -1,24 +1,32 @@
-"""A rank of a 2-rank torchrun (gloo) that saves a stand-in model's checkpoint at iteration
-1, then meets one injected fault (test-only: the fault is patched into this process, the
-library has no hook for it) and reports what every rank saw:
+"""A rank of a torchrun (gloo) that meets injected checkpoint faults (test-only: each fault
+is patched into this process for one scenario, the library has no hook for it) and reports
+what every rank saw:
 
-    torchrun --nproc_per_node 2 tests/ckpt_fault_worker.py SCENARIO ROOT
+    torchrun --nproc_per_node N tests/ckpt_fault_worker.py SCENARIO[,SCENARIO...] ROOT
 
-SCENARIO: shard (rank 1's shard write: disk full), common (rank 0's common.pt: disk full),
-async (rank 1's background shard write: disk full), missing (a shard deleted together with
-its sha256.rank_N.json), torch_corrupt (--ckpt-format torch: rank 1's file bit-flipped),
-idle (save, then wait to be killed). Prints ``ERROR <line>`` (the one line the run would
-end with), ``LEFT <names in ROOT>`` and ``LOADED <value>`` (the previous checkpoint
-loaded back) per rank.
+Each scenario runs in ``ROOT/SCENARIO``: a stand-in model's checkpoint at iteration 1, then
+the fault. Save faults (on iteration 2's save): build (rank 1's state-dict build: MemoryError;
+torch_build: the same under --ckpt-format torch),
+staging (rank 1's copy to host memory: a device OOM), staging_async (the same under
+--async-save, in the foreground part), shard (rank 1's shard write: disk full), common
+(rank 0's common.pt: disk full), async (rank 1's background shard write: disk full),
+dcp_metadata (rank 0's DCP .metadata: disk full), metadata_json (rank 0's metadata.json:
+disk full), sidecar (the last rank's checksum file: disk full). Load faults: missing (a
+shard deleted together with its sha256.rank_N.json), torch_corrupt (--ckpt-format torch:
+rank 1's file bit-flipped). idle: save, then wait to be killed. Prints, tagged
+``[SCENARIO]``, ``ERROR`` (the one line the run would end with), ``LEFT`` (names in the
+scenario's root) and ``LOADED`` (the previous checkpoint loaded back) per rank.
 """
 
 import builtins
+import contextlib
 import errno
 import os
 import pathlib
 import sys
 import time
 import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -54,35 +62,64 @@ def disk_full(path) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def fail_shard_writes() -> None:
-    """Opening a .distcp file for writing fails (in this process and the writers it forks)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    def full_open(file, mode="r", *args, **kwargs):
-        if str(file).endswith(".distcp") and "w" in mode:
-            raise disk_full(file)
-        return builtins.open(file, mode, *args, **kwargs)
-
-    filesystem_async.open = full_open  # shadows the builtin inside megatron's writer module
+def full_open(file, mode="r", *args, **kwargs):
+    """Opening a .distcp file for writing fails (patched into megatron's writer module, where
+    it shadows the builtin; the writers it forks inherit it)."""
+    if str(file).endswith(".distcp") and "w" in mode:
+        raise disk_full(file)
+    return builtins.open(file, mode, *args, **kwargs)
 
 
-def fail_common_write() -> None:
-    real_save = torch.save
-
-    def full_save(obj, f, *args, **kwargs):
+def full_save(real_save):
+    def save(obj, f, *args, **kwargs):
         if str(f).endswith("common.pt"):
             raise disk_full(f)
         return real_save(obj, f, *args, **kwargs)
+    return save
 
-    torch.save = full_save
+
+SAVE_FAULTS = ("build", "torch_build", "staging", "staging_async", "shard", "common", "async", "dcp_metadata",
+               "metadata_json", "sidecar")
 
 
-def main(scenario: str, root: pathlib.Path) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    fmt = "torch" if scenario == "torch_corrupt" else "torch_dist"
-    layout = {"world_size": dist.get_world_size(), "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
-    ck = Checkpointer(str(root), None, rank, layout, ckpt_format=fmt, async_save=scenario == "async",
+def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, model: Weights) -> None:
+    """Patch this scenario's fault into this rank (undone when ``stack`` closes)."""
+    from megatron.core.dist_checkpointing import core
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from loco_megatron.checkpoint import files
+
+    def fail(exc):
+        def raising(*args, **kwargs):
+            raise exc
+        return raising
+
+    if scenario == "build" and rank == 1:
+        stack.enter_context(mock.patch.object(model, "sharded_state_dict", fail(MemoryError())))
+    if scenario == "torch_build" and rank == 1:
+        stack.enter_context(mock.patch.object(model, "state_dict", fail(MemoryError())))
+    if scenario in ("staging", "staging_async") and rank == 1:
+        oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        stack.enter_context(mock.patch.object(filesystem_async.FileSystemWriterAsync, "preload_tensors",
+                                              staticmethod(fail(oom))))
+    if scenario in ("shard", "async") and rank == 1:
+        stack.enter_context(mock.patch.object(filesystem_async, "open", full_open, create=True))
+    if scenario == "common" and rank == 0:
+        stack.enter_context(mock.patch.object(torch, "save", full_save(torch.save)))
+    if scenario == "dcp_metadata" and rank == 0:
+        stack.enter_context(mock.patch.object(filesystem_async.FileSystemWriterAsync, "finish",
+                                              fail(disk_full("/ck/.metadata"))))
+    if scenario == "metadata_json" and rank == 0:
+        stack.enter_context(mock.patch.object(core, "save_config", fail(disk_full("/ck/metadata.json"))))
+    if scenario == "sidecar" and rank == world - 1:
+        stack.enter_context(mock.patch.object(files, "write_durably", fail(disk_full("/ck/sha256.json"))))
+
+
+def run(scenario: str, root: pathlib.Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fmt = "torch" if scenario in ("torch_corrupt", "torch_build") else "torch_dist"
+    layout = {"world_size": world, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
+    ck = Checkpointer(str(root), None, rank, layout, ckpt_format=fmt, async_save=scenario in ("async", "staging_async"),
                       log=lambda _: None)
     ck.save(1, {"model": Weights(1.0)})
     ck.wait()
@@ -92,13 +129,12 @@ def main(scenario: str, root: pathlib.Path) -> None:
         return
     error = ""
     try:
-        if scenario in ("shard", "async") and rank == 1:
-            fail_shard_writes()
-        if scenario == "common" and rank == 0:
-            fail_common_write()
-        if scenario in ("shard", "common", "async"):
-            ck.save(2, {"model": Weights(2.0)})
-            ck.wait()
+        if scenario in SAVE_FAULTS:
+            with contextlib.ExitStack() as stack:
+                model = Weights(2.0)
+                inject(scenario, rank, world, stack, model)
+                ck.save(2, {"model": model})
+                ck.wait()
         if scenario == "missing" and rank == 0:
             folder = root / "iter_0000001"
             for path in [*folder.glob("__1_*.distcp"), folder / "sha256.rank_00001.json"]:
@@ -114,15 +150,21 @@ def main(scenario: str, root: pathlib.Path) -> None:
             loader.load(loader.find_resume_dir(collective=True), {"model": Weights(0.0)})
     except ConfigError as e:
         error = str(e)
-    print(f"ERROR rank={rank} {error}", flush=True)
+    print(f"ERROR[{scenario}] rank={rank} {error}", flush=True)
     dist.barrier()
-    print(f"LEFT rank={rank} {sorted(p.name for p in root.iterdir())}", flush=True)
-    if scenario in ("shard", "common", "async"):
+    print(f"LEFT[{scenario}] rank={rank} {sorted(p.name for p in root.iterdir())}", flush=True)
+    if scenario in SAVE_FAULTS:
         loader = Checkpointer(None, str(root), rank, layout, ckpt_format=fmt, log=lambda _: None)
         weights = Weights(0.0)
         loader.load(loader.find_resume_dir(collective=True), {"model": weights})
-        print(f"LOADED rank={rank} {weights.w.unique().tolist()}", flush=True)
+        print(f"LOADED[{scenario}] rank={rank} {weights.w.unique().tolist()}", flush=True)
     dist.barrier()
+
+
+def main(scenarios: str, root: pathlib.Path) -> None:
+    dist.init_process_group("gloo")
+    for scenario in scenarios.split(","):
+        run(scenario, root / scenario)
     dist.destroy_process_group()
 
 

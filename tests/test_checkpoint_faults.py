@@ -19,8 +19,8 @@ from test_checkpoint import _Weights  # the stand-in model
 WORKER = REPO / "tests" / "ckpt_fault_worker.py"
 
 
-def _launch(args: list[str], **popen) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+def _launch(args: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     # Own session: on a hang the test kills the whole tree instead of blocking.
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -78,41 +78,61 @@ def _per_rank(out: str, tag: str) -> dict[int, str]:
     for line in out.splitlines():
         for chunk in line.split(f"{tag} rank=")[1:]:  # two ranks' lines can share a console line
             rank, _, rest = chunk.partition(" ")
-            found[int(rank)] = rest.split(" LEFT rank=")[0].split(" ERROR rank=")[0].strip()
+            for other in ("LEFT[", "ERROR[", "LOADED[", "SAVED "):
+                rest = rest.split(f" {other}")[0]
+            found[int(rank)] = rest.strip()
     return found
 
 
-@pytest.mark.parametrize("scenario,expected", [
-    ("shard", ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"]),
-    ("common", ["iter_0000002.tmp/common.pt failed on rank 0", "no space left on device"]),
-    ("async", ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"]),
-    ("missing", ["iter_0000001/sha256.rank_00001.json is missing", "rank 1"]),
-    ("torch_corrupt", ["iter_0000001/rank_00001.pt does not match its checksum", "rank 1"]),
+FAULTS = {  # scenario of tests/ckpt_fault_worker.py: what its one line names
+    "build": ["building the state to save into", "iter_0000002.tmp", "failed on rank 1", "MemoryError"],
+    "torch_build": ["building the state to save into", "iter_0000002.tmp", "failed on rank 1", "MemoryError"],
+    "staging": ["staging or writing", "iter_0000002.tmp", "failed on rank 1", "CUDA out of memory"],
+    "staging_async": ["staging", "iter_0000002.tmp for --async-save failed on rank 1", "CUDA out of memory"],
+    "shard": ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"],
+    "common": ["iter_0000002.tmp/common.pt failed on rank 0", "no space left on device"],
+    "async": ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"],
+    "dcp_metadata": ["iter_0000002.tmp/.metadata failed on rank 0", "no space left on device"],
+    "metadata_json": ["iter_0000002.tmp/metadata.json failed on rank 0", "no space left on device"],
+    "sidecar": ["writing checksums into", "iter_0000002.tmp failed on rank {last}", "no space left on device"],
+    "missing": ["iter_0000001/sha256.rank_00001.json is missing", "rank 1"],
+    "torch_corrupt": ["iter_0000001/rank_00001.pt does not match its checksum", "rank 1"],
+}
+LOAD_FAULTS = ("missing", "torch_corrupt")
+
+
+@pytest.mark.parametrize("nproc,scenarios", [
+    (2, list(FAULTS)),
+    (4, ["build", "staging_async", "dcp_metadata", "sidecar"]),
 ])
-def test_checkpoint_failure_ends_every_rank_with_one_line(scenario, expected, tmp_path):
-    """Guards against checkpoint failures that hang or end in tracebacks (issue 21):
-    shard: one rank's torch_dist shard write failing raised DCP's CheckpointException, a
-    BaseException that ``except Exception`` missed: tracebacks on every rank, iter_N.tmp left;
-    common: rank 0's common.pt write failing left rank 0 in the error agreement while the others
-    were in the shard write's collectives: a hang until the distributed timeout;
-    async: a failed background write escaped the commit as a traceback, iter_N.tmp left;
-    missing: a shard deleted with its sha256.rank_N.json passed the integrity check and ended in
-    a FileNotFoundError traceback (nothing checked every writing rank left its checksums);
-    torch_corrupt: --ckpt-format torch checked corruption per rank, so only the corrupt rank
-    raised and the other one died in its next collective.
-    Now every rank ends with the same line naming the file and the rank, no traceback, only
-    the previous checkpoint is left and it loads."""
-    root = tmp_path / "ck"
-    out = _communicate(_launch([str(WORKER), scenario, str(root)]), timeout=300)
-    errors = _per_rank(out, "ERROR")
-    assert sorted(errors) == [0, 1], out[-3000:]
-    assert errors[0] == errors[1], errors
-    assert "\n" not in errors[0] and all(fragment.lower() in errors[0].lower() for fragment in expected), errors[0]
+def test_checkpoint_failure_ends_every_rank_with_one_line(nproc, scenarios, tmp_path):
+    """Guards against checkpoint failures that hang or end in tracebacks (issues 21, 32). A
+    failure on one rank at any step of a save (building the state, staging it to host
+    memory, the shard write, rank 0's common.pt, DCP's .metadata and metadata.json, a
+    checksum file, the background write) left that rank in the caller's error agreement
+    while the others waited in megatron's next collective (save_preprocess' all-gather,
+    DCP's plan or finalize broadcast, a barrier): a hang until the distributed timeout, or,
+    for the shard write, DCP's CheckpointException (a BaseException ``except Exception``
+    missed) as tracebacks with iter_N.tmp left. At load: a shard deleted with its
+    sha256.rank_N.json passed the integrity check; --ckpt-format torch checked corruption
+    per rank, so only the corrupt rank raised. Now every rank ends with the same line
+    naming the step, the file and the rank, no traceback, only the previous checkpoint is
+    left and it loads. All scenarios run one after another in one launch per world size."""
+    out = _communicate(_launch([str(WORKER), ",".join(scenarios), str(tmp_path)], nproc), timeout=600)
     assert "Traceback" not in out, out[-3000:]
-    assert set(_per_rank(out, "LEFT").values()) == {"['iter_0000001', 'latest_checkpointed_iteration.txt']"}, out
-    if scenario in ("shard", "common", "async"):
-        assert errors[0].startswith("--save: ") and "removed iter_0000002.tmp, iter_0000001 is the latest" in errors[0]
-        assert _per_rank(out, "LOADED") == {0: "[1.0]", 1: "[1.0]"}, out[-3000:]
+    for scenario in scenarios:
+        errors = _per_rank(out, f"ERROR[{scenario}]")
+        assert sorted(errors) == list(range(nproc)), (scenario, out[-3000:])
+        assert len(set(errors.values())) == 1, (scenario, errors)
+        line = errors[0]
+        expected = [fragment.format(last=nproc - 1) for fragment in FAULTS[scenario]]
+        assert "\n" not in line and all(f.lower() in line.lower() for f in expected), (scenario, line)
+        left = set(_per_rank(out, f"LEFT[{scenario}]").values())
+        assert left == {"['iter_0000001', 'latest_checkpointed_iteration.txt']"}, (scenario, left)
+        if scenario not in LOAD_FAULTS:
+            assert line.startswith("--save: ") and "removed iter_0000002.tmp, iter_0000001 is the latest" in line
+            loaded = _per_rank(out, f"LOADED[{scenario}]")
+            assert loaded == {r: "[1.0]" for r in range(nproc)}, (scenario, out[-3000:])
 
 
 def test_no_writer_process_outlives_a_killed_rank(tmp_path):
@@ -278,3 +298,107 @@ def test_save_before_the_first_optimizer_step_is_skipped(fmt, cache_dir, tmp_pat
                               cache_dir, tmp_path, "resumed")
     assert rc == 0 and f"resuming from {ck / 'iter_0000004'}" in out, out[-3000:]
     assert sorted(train_losses(resumed)) == [5, 6]
+
+
+def _refused(call) -> str:
+    """The ConfigError line ``call()`` raises; it must be one line that every rank agreed on
+    (so rank 0 alone prints it)."""
+    from loco_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert "\n" not in str(e.value) and getattr(e.value, "agreed", False), (str(e.value), vars(e.value))
+    return str(e.value)
+
+
+def test_damaged_checksum_and_rank_files_are_one_line(tmp_path, one_rank):
+    """Guards against damaged small JSON files of a checkpoint ending in tracebacks (issue 32):
+    a torch_dist ``sha256.rank_R.json`` that is not JSON (JSONDecodeError from
+    ``files.sidecar_entries``, 66 lines) and a truncated --ckpt-format torch ``rank_R.json``.
+    Each is now one line naming the file, printed once."""
+    from loco_megatron.checkpoint import Checkpointer
+
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
+    root = tmp_path / "dist"
+    Checkpointer(str(root), None, 0, layout, ckpt_format="torch_dist").save(1, {"model": _Weights(1.0)})
+    side = root / "iter_0000001" / "sha256.rank_00000.json"
+    side.write_text("not json {")
+    loader = Checkpointer(None, str(root), 0, layout, ckpt_format="torch_dist", log=lambda _: None)
+    line = _refused(lambda: loader.load(loader.find_resume_dir(collective=True), {"model": _Weights(0.0)}))
+    assert f"{side} is not valid JSON" in line, line
+
+    root = tmp_path / "torch"
+    Checkpointer(str(root), None, 0, layout).save(1, {"c": _Counter(1.0)})
+    meta = root / "iter_0000001" / "rank_00000.json"
+    meta.write_text(meta.read_text()[:20])  # truncated
+    loader = Checkpointer(None, str(root), 0, layout, log=lambda _: None)
+    assert f"{meta} is not valid JSON" in _refused(lambda: loader.find_resume_dir(collective=True))
+    assert f"{meta} is not valid JSON" in _refused(lambda: loader.load(root / "iter_0000001", {"c": _Counter(0.0)}))
+
+
+@pytest.mark.parametrize("fmt,change,named", [
+    ("torch_dist", {"ffn_hidden_size": 256}, "ffn hidden size 384 saved, 256 now"),
+    ("torch", {"num_query_groups": 2}, "num query groups 4 saved, 2 now"),
+    ("torch_dist", {"swiglu": False}, "swiglu True saved, False now"),
+])
+def test_resume_with_another_model_dimension_is_refused_naming_it(fmt, change, named, tmp_path, one_rank):
+    """Guards against the shape check comparing only layers, hidden size, vocabulary and
+    experts (issue 32): --ffn-hidden-size 256 against a torch_dist checkpoint saved with 384
+    ended in "could not be loaded (CheckpointException ranks: dict_keys([0, 1]))",
+    --num-query-groups 2 against a torch checkpoint in a 56-line "size mismatch for
+    ...linear_qkv.weight". Every dimension that changes a tensor's shape is recorded and
+    compared before the model is built; the line names the one that differs, printed
+    once. A checkpoint that recorded only the first four dimensions still loads."""
+    import dataclasses
+
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.checkpoint.model_shape import model_shape
+    from loco_megatron.config.model import ModelConfig
+
+    base = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=384)
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": model_shape(base, 4096)}
+    root = tmp_path / "ck"
+    state = {"model": _Weights(1.0)} if fmt == "torch_dist" else {"c": _Counter(1.0)}
+    Checkpointer(str(root), None, 0, layout, ckpt_format=fmt).save(1, state)
+    other = {**layout, "model": model_shape(dataclasses.replace(base, **change), 4096)}
+    loader = Checkpointer(None, str(root), 0, other, ckpt_format=fmt, log=lambda _: None)
+    line = _refused(lambda: loader.find_resume_dir(collective=True))
+    assert "holds a model of another shape" in line and named in line, line
+    assert line.count("saved,") == 1, line  # only the dimension that differs
+
+    older = {**layout, "model": layout["model"][:4]}  # what checkpoints recorded before
+    root = tmp_path / "older"
+    Checkpointer(str(root), None, 0, older, ckpt_format=fmt).save(1, state)
+    same = Checkpointer(None, str(root), 0, layout, ckpt_format=fmt, log=lambda _: None)
+    assert same.find_resume_dir(collective=True) == root / "iter_0000001"
+
+
+def test_short_write_names_the_full_disk(tmp_path, monkeypatch):
+    """Guards against a torch_dist write on a full disk being reported as torch's zip-writer
+    text "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (issue 32):
+    the line now says "no space left on device"."""
+    import shutil
+
+    from loco_megatron.checkpoint import files, torch_dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failure = CheckpointException("write", {1: RuntimeError(f"Worker failure: {short}")})
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=4096))  # the disk is full
+    line = torch_dist.describe_write_failure(failure, tmp_path)
+    assert "failed on rank 1" in line and line.endswith("(no space left on device)"), line
+    assert files.cause(short, tmp_path) == "no space left on device"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1 << 30))  # e.g. over a quota
+    assert "no space left on device, or over a quota" in files.cause(short, tmp_path)
+
+
+def test_train_iters_below_the_loaded_iteration_is_refused(tmp_path):
+    """Guards against ``--train-iters 2`` with a checkpoint at iteration 4 exiting 0 with no
+    word (issue 32): below the loaded iteration it is a one-line error (exit 2), printed
+    once; equal to it, the run says there is nothing to train (see the resume test)."""
+    from loco_megatron.training.schedule import check_train_iters
+
+    line = _refused(lambda: check_train_iters(2, 4, tmp_path / "iter_0000004"))
+    assert line.startswith("--train-iters 2 is below iteration 4 of the checkpoint") and "nothing to train" in line
+    check_train_iters(4, 4, tmp_path / "iter_0000004")  # a finished run: not an error

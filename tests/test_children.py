@@ -59,26 +59,53 @@ def test_forked_helper_dies_with_a_killed_rank():
     assert not alive, "the forked helper outlived its SIGKILLed parent"
 
 
-def test_forked_helper_gets_the_default_sigterm():
-    """Guards against a helper inheriting the rank's flag-only SIGTERM handler, which makes
-    `kill PID` (and torchrun's shutdown of a process tree) a no-op for it."""
+def test_helpers_ignore_the_stop_signals_and_die_with_the_rank():
+    """Guards against the stop save losing its helpers (issue 32): torchrun forwards SIGTERM
+    with killpg to each rank's whole process group (Slurm sends it to every process), and
+    the forked writers and the spawned writer Manager, with the default SIGTERM, died of it
+    before the stop save used them ("broken pipe"; iter_N.tmp removed, the step lost). Now
+    both survive SIGTERM/SIGUSR1/SIGINT and still go when their rank is SIGKILLed."""
     code = textwrap.dedent("""
-        import multiprocessing as mp, os, signal, time
+        import multiprocessing as mp, os, signal, sys, time
         from loco_megatron.training.children import die_with_parent
+        from loco_megatron.checkpoint import torch_dist
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
         die_with_parent()
-        signal.signal(signal.SIGTERM, lambda *a: None)
+        signal.signal(signal.SIGTERM, lambda *a: None)  # the rank's "stop after this step" flag
         def work(ready):
             ready.set()  # after the at-fork hooks ran
-            time.sleep(60)
+            time.sleep(120)
         ctx = mp.get_context("fork")
         ready = ctx.Event()
-        p = ctx.Process(target=work, args=(ready,))
-        p.start()
+        forked = ctx.Process(target=work, args=(ready,))
+        forked.start()
         ready.wait(30)
-        os.kill(p.pid, signal.SIGTERM)
-        p.join(20)
-        print(p.exitcode)
+        torch_dist.start_writer_manager_detached()
+        kids = [int(p) for p in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]
+        for pid in kids:
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+                os.kill(pid, sig)
+        filesystem_async._results_queue.put("still served")  # the Manager answers after the signals
+        print(filesystem_async._results_queue.get(), flush=True)
+        forked.join(2)
+        print(" ".join(map(str, kids)), forked.exitcode, flush=True)
+        time.sleep(120)
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert out.stdout.strip() == str(-signal.SIGTERM), out.stdout + out.stderr
+    rank = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert rank.stdout.readline().strip() == "still served"
+        *kids, exitcode = rank.stdout.readline().split()
+        kids = [int(pid) for pid in kids]
+        assert exitcode == "None" and len(kids) >= 2, (kids, exitcode)  # the forked helper runs on
+        assert all(_alive(pid) for pid in kids), kids
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 30  # a bound for the kernel's parent-death signals, not a measurement
+    while any(_alive(pid) for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in kids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "helpers outlived their SIGKILLed rank"

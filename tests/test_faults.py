@@ -331,3 +331,102 @@ def test_save_target_refuses_to_overwrite_another_lineage(tmp_path):
     for load, resume in ((None, None), (str(other), other / "iter_0000002")):
         with pytest.raises(ConfigError, match="iter_0000004"):
             Checkpointer(str(root), load, 0, {}).check_save_target(resume)
+
+
+def _job_processes(torchrun_pid: int, workers: dict[int, int]) -> list[int]:
+    """Every live process of a local job: torchrun's session and each worker's (what a
+    worker starts stays in its session), as Slurm signals every process of a step."""
+    return _sessions({torchrun_pid, *workers.values()})
+
+
+@pytest.mark.parametrize("fmt,to", [("torch_dist", "torchrun"), ("torch_dist_async", "every process"),
+                                    ("torch", "torchrun")])
+def test_stop_save_after_periodic_saves_survives_the_signal(fmt, to, cache_dir, tmp_path):
+    """Guards against the stop save failing once a periodic save has run (issue 32): the
+    rank's checkpoint helpers (megatron's writer Manager, the --async-save writer) died of
+    the SIGTERM torchrun forwards to each worker's whole process group, so the stop save
+    ended in "broken pipe" (torch_dist) or "not committed" plus BrokenPipeError tracebacks
+    (--async-save) and the run fell back to an older checkpoint. SIGTERM to torchrun, or to
+    every process of the job as Slurm sends it, now saves the stopped iteration (committed,
+    no .tmp left) and the run resumes from it."""
+    ck = tmp_path / "ck"
+    extra = {"torch_dist": [], "torch_dist_async": ["--async-save"], "torch": ["--ckpt-format", "torch"]}[fmt]
+    args = TINY + ["--train-iters", "40", "--lr-decay-iters", "40", "--save-interval", "2", "--save", str(ck),
+                   "--load", str(ck), *extra]
+    metrics = tmp_path / "first.jsonl"
+    proc = _start(args, cache_dir, metrics)
+    try:
+        _wait_for_iteration(metrics, proc, 5)  # the saves of iterations 2 and 4 have run (or are in flight)
+        if to == "torchrun":
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            for pid in _job_processes(proc.pid, _workers(proc.pid)):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            for pid in _job_processes(proc.pid, _workers(proc.pid)):
+                os.kill(pid, signal.SIGKILL)
+    stopped = max(train_losses(read_metrics(metrics)))
+    assert f"stop requested (SIGTERM received): saving at iteration {stopped}" in out, out[-3000:]
+    assert stopped < 40
+    assert "BrokenPipe" not in out and "--save:" not in out and "not committed" not in out, out[-3000:]
+    # The only traceback is torchrun's own: it re-raises the signal once its workers are done.
+    assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped), out[-3000:]
+    assert (ck / f"iter_{stopped:07d}").is_dir() and not list(ck.glob("*.tmp")), sorted(p.name for p in ck.iterdir())
+
+    resume = [*args[:args.index("--train-iters") + 1], str(stopped + 1), *args[args.index("--train-iters") + 2:]]
+    proc, resumed = torchrun(2, resume, cache_dir, tmp_path, name="resumed")
+    assert f"resuming from {ck / f'iter_{stopped:07d}'}" in proc.stdout, proc.stdout[-3000:]
+    assert sorted(train_losses(resumed)) == [stopped + 1]
+    if fmt == "torch":  # the finished run again: it says so (exit 0) and re-saves nothing (issue 32)
+        saved = _digests(ck)
+        proc, again = torchrun(2, resume, cache_dir, tmp_path, name="again")
+        assert f"nothing to train: resumed at iteration {stopped + 1}, which is --train-iters" in proc.stdout
+        assert train_losses(again) == {} and _digests(ck) == saved
+
+
+def test_ranks_stop_when_the_agent_dies(cache_dir, tmp_path):
+    """Guards against ranks training on unsupervised after ``kill -9`` of the torchrun
+    agent (issue 32): reparented to init they trained to --train-iters and wrote
+    checkpoints nobody would collect. Now every rank notices at the next step (one flag in
+    the per-step stop all-reduce), they save that step, say why once and exit non-zero."""
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "orphan.jsonl"
+    log = tmp_path / "orphan.log"
+    args = TINY + ["--train-iters", "100000", "--save", str(ck)]
+    cmd, env = torchrun_command(2, args, cache_dir, metrics)
+    with log.open("w") as sink:  # a file: the ranks keep writing to it after the agent is gone
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_for_iteration(metrics, proc, 3)
+        workers = _workers(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 240  # a bound for a hang, not a measurement
+        while any(_alive(pid) for pid in workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [pid for pid in workers.values() if _alive(pid)]
+    finally:
+        for pid in _sessions({proc.pid, *workers.values()}):
+            os.kill(pid, signal.SIGKILL)
+    out = log.read_text()
+    assert not left, f"ranks still training after the agent died:\n{out[-3000:]}"
+    stopped = max(train_losses(read_metrics(metrics)))
+    lines = [line for line in out.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(lines) == 1 and f"the torchrun agent (pid {proc.pid}) exited" in lines[0], out[-3000:]
+    assert f"at iteration {stopped}" in lines[0], lines
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped), out[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

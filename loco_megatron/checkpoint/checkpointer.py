@@ -35,10 +35,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import fsdp_dtensor, torch_dist
+from loco_megatron.checkpoint import agreed_save, fsdp_dtensor, torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
 from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
-                                           iter_dir, recover_latest, sha256, write_durably, write_sidecar)
+                                           iter_dir, read_json, recover_latest, sha256, write_durably, write_sidecar)
+from loco_megatron.checkpoint.model_shape import shape_difference
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
 from loco_megatron.config import ConfigError
@@ -105,9 +106,11 @@ class Checkpointer:
         if torch_dist.is_sharded(path):
             if self.layout_key:  # a different model shape cannot load; another layout can
                 saved = torch_dist.saved_common(path).get("layout", {})
-                if saved.get("model") != self.layout_key.get("model"):
-                    raise ConfigError(f"--load: {path} holds a model of another shape (saved [layers, hidden, "
-                                      f"vocab, experts] {saved.get('model')}, this run {self.layout_key.get('model')})")
+                differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
+                if differs:
+                    error = ConfigError(f"--load: {path} holds a model of another shape ({differs})")
+                    error.agreed = collective  # every rank reads the same file: printed once
+                    raise error
             return path
         if collective:
             error = ""
@@ -133,14 +136,19 @@ class Checkpointer:
         meta = path / f"rank_{self.rank:05d}.json"
         if not self.layout_key or not meta.is_file():
             return  # pre-check without a layout yet, or a checkpoint older than the sidecars
-        saved = json.loads(meta.read_text()).get("layout", {})
+        try:
+            saved = read_json(meta).get("layout", {})
+        except ValueError as e:
+            raise ConfigError(f"--load: {e}") from None
         self._compare_layout(saved, path)
 
     def _compare_layout(self, saved: dict, path: pathlib.Path) -> None:
-        if saved != self.layout_key:
-            diff = {k: (saved.get(k), v) for k, v in self.layout_key.items() if saved.get(k) != v}
-            raise ConfigError(f"--load: {path} was saved with a different model/parallel layout "
-                              f"(saved vs now: {diff})")
+        differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
+        if differs:
+            raise ConfigError(f"--load: {path} holds a model of another shape ({differs})")
+        diff = {k: (saved.get(k), v) for k, v in self.layout_key.items() if k != "model" and saved.get(k) != v}
+        if diff:
+            raise ConfigError(f"--load: {path} was saved with a different model/parallel layout (saved vs now: {diff})")
 
     def check_save_target(self, resume: Optional[pathlib.Path]) -> None:
         """Every rank, before any set-up: ``--save`` is writable (probe file created and
@@ -170,13 +178,7 @@ class Checkpointer:
 
     def _agree_or_raise(self, error: str) -> None:
         """Collective: every rank raises the first (lowest rank's) error, or none does."""
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e), None)
-        if first:
-            error = ConfigError(first)
-            error.agreed = True  # every rank raises this same error: it is printed once (rank 0)
-            raise error
+        torch_dist.agree_or_raise(error)
 
     # -- save ---------------------------------------------------------------------------
     def _all_ok(self, ok: bool) -> bool:
@@ -212,23 +214,31 @@ class Checkpointer:
                 request = fsdp_dtensor.save(tmp, stateful, self.layout_key, self.run_config, iteration,
                                             self.writer is not None, self.device)
             else:
-                sd = torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
-                                           is_loading=False, per_rank=True)
-                request = torch_dist.save(tmp, sd, self.writer is not None, self.device)
-        except torch_dist.SaveFailed as e:  # rank 0's common.pt: every rank raised it together
+                request = agreed_save.save(
+                    tmp, lambda: torch_dist.state_dict(stateful, self.layout_key, self.run_config, iteration,
+                                                       is_loading=False, per_rank=True),
+                    self.writer is not None, self.device, torch_dist.start_writer_manager_detached,
+                    torch_dist.without_clock)
+        except agreed_save.SaveFailed as e:  # every rank raised it at the same step
             self._abandon(tmp, str(e))
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException (every rank) is a BaseException
             request, error = None, self._write_failure(e, tmp)
         if request is None:
             self._finish(tmp, final, iteration, t0, error, lambda: torch_dist.written_by(tmp, self.rank))
-        else:
-            request.add_finalize_fn(lambda: self._finish(tmp, final, iteration, t0, "",
-                                                         lambda: torch_dist.written_by(tmp, self.rank)))
+            return final
+        request.add_finalize_fn(lambda: self._finish(tmp, final, iteration, t0, "",
+                                                     lambda: torch_dist.written_by(tmp, self.rank)))
+        try:  # stages to host memory in the foreground (on this rank only), then forks the writer
             self.writer.schedule(request)
-            self.in_flight = (tmp, iteration)
-            self.timings.append({"ckpt/blocking_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory while staging
+            error = f"staging {tmp} for --async-save failed on rank {self.rank} ({cause(e, tmp)})"
+        if not self._all_ok(not error):
+            self.writer.wait_local()  # the ranks that did schedule: their writes end before the folder goes
+            self._abandon(tmp, error)
+        self.in_flight = (tmp, iteration)
+        self.timings.append({"ckpt/blocking_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
         return final
 
     @staticmethod
@@ -237,10 +247,14 @@ class Checkpointer:
         return torch_dist.describe_write_failure(e, tmp) or f"writing {tmp} failed (details on rank 0)"
 
     def _write_rank_file(self, tmp: pathlib.Path, iteration: int, stateful: dict) -> str:
-        """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum)."""
-        payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
-                   **{name: obj.state_dict() for name, obj in stateful.items()}}
+        """--ckpt-format torch: this rank's whole state into ``rank_R.pt`` (+ its checksum);
+        this rank's one line when that failed (the caller's agreement ends the save)."""
         part = tmp / f"rank_{self.rank:05d}.pt.part"
+        try:
+            payload = {"iteration": iteration, "layout": self.layout_key, "rng": rng_state(),
+                       **{name: obj.state_dict() for name, obj in stateful.items()}}
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the others must not wait for this rank
+            return f"building the state to save into {tmp} failed on rank {self.rank} ({cause(e, tmp)})"
         try:
             torch.save(payload, part)
             fsync(part)
@@ -294,6 +308,10 @@ class Checkpointer:
         except ConfigError:  # _finish already agreed on a failure and abandoned the folder
             self.in_flight = None
             raise
+        except agreed_save.SaveFailed as e:  # the metadata finalizer's agreement: on every rank
+            tmp, _ = self.in_flight
+            self.in_flight = None
+            self._abandon(tmp, str(e))
         except torch_dist.checkpoint_exception() as e:  # a BaseException, raised on every rank
             tmp, _ = self.in_flight
             self.in_flight = None
@@ -331,7 +349,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        first = next(e for e in errors if e)
+        first = next((e for e in errors if e), f"writing {tmp} failed")
         kept = committed_checkpoints(self.save_root)
         kept_note = f"{kept[-1][1].name} is the latest checkpoint" if kept else "no earlier checkpoint"
         raise ConfigError(f"--save: {first}; removed {tmp.name}, {kept_note}")
@@ -363,11 +381,14 @@ class Checkpointer:
         of one rank's error racing the others' next collective."""
         file = path / f"rank_{self.rank:05d}.pt"
         meta = path / f"rank_{self.rank:05d}.json"
-        error, payload = "", None
-        want = json.loads(meta.read_text()).get("sha256") if meta.is_file() else None  # older: no checksums
+        error, payload, want = "", None, None
+        try:
+            want = read_json(meta).get("sha256") if meta.is_file() else None  # older: no checksums
+        except ValueError as e:
+            error = f"--load: {e}"
         if want and sha256(file) != want:
             error = f"--load: {file} does not match its checksum in {meta.name} (corrupt file, rank {self.rank})"
-        else:
+        elif not error:
             try:
                 payload = torch.load(file, map_location="cpu", weights_only=False)
             except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error

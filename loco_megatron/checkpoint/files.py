@@ -49,17 +49,27 @@ def sha256(path: pathlib.Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+SHORT_WRITE = ("unexpected pos", "basic_ios::clear", "iostream error", "file write failed")
+"""How torch.save's zip writer reports a write the file system cut short (no errno survives)."""
+
+
 def cause(e: BaseException, where: pathlib.Path) -> str:
     """A short reason for a failed write. torch.save reports a full disk as a bare
-    RuntimeError ('basic_ios::clear: iostream error'), so look at the free space too."""
+    RuntimeError ('basic_ios::clear: iostream error', '[enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598'), so look at the free space too."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror.lower()
+    text = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    if "no space left on device" in text.lower():
+        return "no space left on device"
     try:
         if shutil.disk_usage(where).free < 1 << 20:
             return "no space left on device"
     except OSError:
         pass
-    return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    if any(pattern in text for pattern in SHORT_WRITE):
+        return f"the file system cut the write short: no space left on device, or over a quota ({text})"
+    return text
 
 
 def fsync(path: pathlib.Path) -> None:
@@ -128,8 +138,21 @@ def sidecar_entries(folder: pathlib.Path) -> list[tuple[str, str]]:
     """Every (file name, SHA-256) the writing ranks recorded, sorted by name."""
     out = []
     for side in sorted(folder.glob("sha256.rank_*.json")):
-        out.extend(json.loads(side.read_text()).items())
+        out.extend(read_json(side).items())
     return sorted(out)
+
+
+def read_json(path: pathlib.Path) -> dict:
+    """A checkpoint's small JSON file (checksums, a rank's layout); ValueError naming the file
+    when it is not a JSON object (truncated by a full disk, overwritten, bit rot)."""
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0][:80]
+        raise ValueError(f"{path} is not valid JSON ({reason}; a truncated or damaged file?)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object (a damaged file?)")
+    return data
 
 
 def missing_sidecars(folder: pathlib.Path, writers: int) -> list[int]:

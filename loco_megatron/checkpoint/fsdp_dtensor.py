@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import files, torch_dist
+from loco_megatron.checkpoint import agreed_save, files, torch_dist
 from loco_megatron.checkpoint.rng import rng_state
 from loco_megatron.config import ConfigError
 from loco_megatron.loco.hooks.version import check_megatron_core_version
@@ -122,15 +122,15 @@ def sharded_state(stateful: dict, layout_key: dict, is_loading: bool, per_rank: 
 def save(folder: pathlib.Path, stateful: dict, layout_key: dict, run_config, iteration: int, async_save: bool,
          flag_device: torch.device):
     """Collective: write the checkpoint into ``folder``; with ``async_save`` returns megatron's
-    AsyncRequest (as :func:`torch_dist.save`: the write runs in a process forked when it is
+    AsyncRequest (as :func:`.agreed_save.save`: the write runs in a process forked when it is
     scheduled, the finalize functions write DCP's ``.metadata`` and ``metadata.json``).
-    Raises :class:`torch_dist.SaveFailed` on every rank when rank 0's ``common.pt`` failed,
+    Raises :class:`.agreed_save.SaveFailed` on every rank when rank 0's ``common.pt`` failed,
     DCP's CheckpointException (on every rank) when a shard write failed."""
     from torch.distributed import checkpoint as dcp
 
-    torch_dist.write_common(folder, torch_dist.common_state(stateful, layout_key, run_config, iteration), flag_device)
+    agreed_save.write_common(folder, torch_dist.common_state(stateful, layout_key, run_config, iteration), flag_device)
     sd = sharded_state(stateful, layout_key, is_loading=False, per_rank=True)
-    metadata_finalize_fn = torch_dist.metadata_finalizer(folder, FORMAT, 1)
+    metadata_finalize_fn = agreed_save.metadata_finalizer(folder, FORMAT, 1, flag_device)
 
     if not async_save:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1))

@@ -45,6 +45,7 @@ from loco_megatron.checkpoint import diloco, files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.config import ConfigError
 from loco_megatron.loco.hooks.version import check_megatron_core_version
+from loco_megatron.training.children import become_helper, stop_signals_blocked
 
 PER_RANK = ("loco", "param_gather", diloco.NAME)
 """Registered states whose content depends on the parallel layout (one object per rank;
@@ -132,43 +133,14 @@ def common_state(stateful: dict, layout_key: dict, run_config: Optional[dict], i
     return out
 
 
-def metadata_finalizer(folder: pathlib.Path, backend: str, version: int) -> Callable[[], None]:
-    """The save's last step (after every shard is written): rank 0 writes ``metadata.json``
-    naming ``backend``, which is what makes ``folder`` a sharded checkpoint; all ranks wait."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-
-    def finalize() -> None:
-        if dist.get_rank() == 0:
-            save_config(CheckpointingConfig(backend, version), str(folder))
-        dist.barrier()
-
-    return finalize
-
-
-def _die_with_parent() -> None:
-    """Runs in megatron's writer Manager (a spawned server process) before it serves: ask
-    Linux to SIGKILL it when the rank that started it dies. Without this a ``kill -9`` of
-    the rank leaves the ~275 MB Manager (and, through it, multiprocessing's resource
-    tracker, which waits for its pipe to close) running under init forever."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: no orphan protection, the Manager still works
-    if os.getppid() == 1:  # the rank died before prctl took effect
-        os._exit(0)
-
-
 def start_writer_manager_detached() -> None:
     """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
     process) to collect write results; megatron starts it at the first save. Start it here
     instead, (1) with /dev/null as stdout/stderr: it inherits them, and when a rank is
     SIGKILLed the orphaned manager keeps the launcher's pipes open, so whatever waits for
-    their end (a supervisor, a restart test) hangs; (2) with :func:`_die_with_parent`, so
-    it does not outlive its rank."""
+    their end (a supervisor, a restart test) hangs; (2) as a helper of the rank
+    (:mod:`loco_megatron.training.children`): it does not outlive its rank, and it ignores
+    the SIGTERM that asks the rank for a stop save, which needs it."""
     import multiprocessing as mp
     import sys
     from multiprocessing.managers import SyncManager
@@ -185,7 +157,8 @@ def start_writer_manager_detached() -> None:
         os.dup2(null, 1)
         os.dup2(null, 2)
         manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's own choice of context
-        manager.start(initializer=_die_with_parent)
+        with stop_signals_blocked():
+            manager.start(initializer=become_helper, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     finally:
         os.dup2(saved[0], 1)
@@ -201,58 +174,6 @@ def checkpoint_exception() -> type:
     return CheckpointException
 
 
-class SaveFailed(Exception):
-    """A write failed on some rank and every rank knows it; the message is the one line."""
-
-
-def save(folder: pathlib.Path, sd: dict, async_save: bool, flag_device: torch.device):
-    """Write ``sd`` into ``folder``; with ``async_save`` returns megatron's AsyncRequest
-    (the write runs once scheduled; its finalize functions complete the metadata).
-
-    megatron's ``dist_checkpointing.save``, step by step, with one agreement added: there
-    rank 0 writes ``common.pt`` alone and then joins the shard write's collectives, so a
-    failure of that write (disk full on rank 0) left rank 0 waiting in the caller's error
-    agreement while the others waited in the shard write: a hang until the distributed
-    timeout. Here every rank learns of it (one all-reduce on ``flag_device``) before any
-    shard is written, and all raise :class:`SaveFailed` together.
-    """
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
-    start_writer_manager_detached()
-    sharded_strategy = get_default_save_sharded_strategy()
-    sharded_sd, common_sd = save_preprocess(sd, True, _without_clock)
-    write_common(folder, common_sd, flag_device)
-    metadata_finalize_fn = metadata_finalizer(folder, sharded_strategy.backend, sharded_strategy.version)
-
-    if not async_save:
-        sharded_strategy.save(sharded_sd, str(folder))
-        metadata_finalize_fn()
-        return None
-    request = sharded_strategy.async_save(sharded_sd, str(folder))
-    request.finalize_fns.append(metadata_finalize_fn)
-    return request
-
-
-def write_common(folder: pathlib.Path, common_sd: dict, flag_device: torch.device) -> None:
-    """Collective: rank 0 writes ``common.pt`` (megatron's common strategy: one torch.save)
-    and fsyncs it; every rank learns of a failure (one all-reduce on ``flag_device``) and
-    all raise :class:`SaveFailed` together, before any shard is written."""
-    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
-
-    error = ""
-    try:
-        get_default_save_common_strategy().save_common(common_sd, str(folder))  # writes on rank 0 only
-        if dist.get_rank() == 0:
-            files.fsync(folder / "common.pt")
-    except Exception as e:  # noqa: BLE001 - any failure of this rank-0 write is reported the same way
-        error = f"writing {folder / 'common.pt'} failed on rank 0 ({files.cause(e, folder)})"
-    flag = torch.tensor([1.0 if error else 0.0], device=flag_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        raise SaveFailed(error or f"writing {folder / 'common.pt'} failed on rank 0")
-
-
 def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
     """One line for a failed shard write. DCP's CheckpointException (a BaseException, so
     ``except Exception`` misses it) carries {rank: exception} on the coordinator only; the
@@ -266,13 +187,15 @@ def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
         # megatron's writer reports a worker's OSError as RuntimeError("Worker failure: <it>"),
         # whose text (errno, reason and file) is all that survives the gather to rank 0.
         text = str(exc).splitlines()[0].removeprefix("Worker failure: ") if str(exc) else type(exc).__name__
-        return f"writing {folder} failed on rank {rank}: {text}"
+        reason = files.cause(exc, folder)  # e.g. a full disk that torch's zip writer reports without errno
+        note = f" ({reason})" if reason.lower() not in text.lower() else ""
+        return f"writing {folder} failed on rank {rank}: {text}{note}"
     if failures is not None:
         return ""
     return f"writing {folder} failed on rank {dist.get_rank()} ({files.cause(e, folder)})"
 
 
-def _without_clock(common: dict) -> dict:
+def without_clock(common: dict) -> dict:
     """The common-state consistency check minus the one per-rank clock (rank 0's is saved)."""
     trainer = {k: v for k, v in common.get("trainer", {}).items() if k != "train_time_s"}
     return {**common, "trainer": trainer}
@@ -290,11 +213,14 @@ def verify(folder: pathlib.Path, rank: int, world: int) -> None:
     """Collective: ranks split the recorded checksums, then all raise the first mismatch.
     Every rank that wrote the checkpoint (the saved world size) must have left its
     sidecar: a shard deleted with its sidecar would otherwise pass, and fail in DCP."""
-    entries = files.sidecar_entries(folder)
-    error = ""
-    if not entries:
+    error, entries = "", []
+    try:
+        entries = files.sidecar_entries(folder)
+    except ValueError as e:  # every rank reads the same files: reported after the agreement, once
+        error = f"--load: {e}"
+    if not (error or entries):
         error = f"--load: {folder} has no sha256.rank_*.json (an incomplete copy?)"
-    else:
+    elif entries:
         try:
             writers = int(saved_common(folder).get("layout", {}).get("world_size", 0))
         except ConfigError as e:  # reported after the agreement below, like any other finding
@@ -311,11 +237,19 @@ def verify(folder: pathlib.Path, rank: int, world: int) -> None:
                 error = f"--load: {path} is missing (listed in the checkpoint's checksums)"
             elif files.sha256(path) != want:
                 error = f"--load: {path} does not match its recorded SHA-256 (corrupt file)"
-    errors = [None] * world
+    agree_or_raise(error)
+
+
+def agree_or_raise(error: str) -> None:
+    """Collective: every rank raises the first (lowest rank's) ``error`` as one ConfigError,
+    marked agreed (so rank 0 alone prints it), or none does."""
+    errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
-        raise ConfigError(first)
+        agreed = ConfigError(first)
+        agreed.agreed = True
+        raise agreed
 
 
 def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[str], None]) -> int:
@@ -331,11 +265,13 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     saved_layout = common.get("layout", {})
     same = layout_tag(saved_layout) == layout_tag(layout_key)
     request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same, saved=common)
+    error, loaded = "", None
     try:
         loaded = dist_checkpointing.load(request, str(folder))
     except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
-        raise ConfigError(f"--load: {folder} could not be loaded "
-                          f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
+        error = (f"--load: {folder} could not be loaded "
+                 f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})")
+    agree_or_raise(error)  # DCP raises on every rank: one line, printed once
     stateful["model"].load_sharded_state_dict(loaded)
     restore(folder, stateful, loaded, saved_layout, layout_key, log)
     return int(common["iteration"])

@@ -1,38 +1,84 @@
-"""Forked helpers die with their rank.
+"""Helper processes live and die with their rank, and leave stopping to it.
 
-megatron-core forks helper processes from a rank: the shard writers of every torch_dist
-save (``FileSystemWriterAsync``, one per write bucket) and the background process of
-``--async-save``. When the rank dies by SIGKILL (OOM
-killer, torchrun ending a failed group, ``scancel --signal=KILL``) mid-write, a writer is
-left blocked forever on a multiprocessing lock the dead rank held. It keeps the rank's
-stdout, sockets and open data files (on a GPU node, its share of the CUDA context), so a
-launcher that waits for the job's output never returns, and every restart leaks another.
+megatron-core starts helper processes from a rank: the shard writers of every torch_dist
+save (``FileSystemWriterAsync``, forked, one per write bucket), the background process of
+``--async-save`` (forked) and the writers' result ``SyncManager`` (spawned, see
+:func:`loco_megatron.checkpoint.torch_dist.start_writer_manager_detached`). Two rules:
 
-``die_with_parent()`` registers an at-fork hook: a child forked from this process from then
-on asks the kernel for SIGKILL when its parent exits (Linux ``PR_SET_PDEATHSIG``), and gets
-the default SIGTERM/SIGUSR1 handlers back instead of the rank's "stop after this step" flag,
-which a helper never reads. Children that exec (``subprocess``) are not affected: CPython
-runs at-fork hooks only for ``os.fork``/``multiprocessing``. Call it once per process, from
-the entry point.
+- **They ignore the stop signals** (SIGTERM, SIGUSR1, SIGINT). torchrun forwards the
+  SIGTERM it gets with ``killpg`` to each worker's whole process group and Slurm sends
+  it to every process of the step, so the helpers receive it together with their rank.
+  The rank answers with a stop save, which needs them: a helper that died of the signal
+  (the Manager, a write in flight) turned that save into "broken pipe" and lost the step.
+- **They die with their rank** (Linux ``PR_SET_PDEATHSIG`` = SIGKILL). When the rank dies
+  by SIGKILL (OOM killer, torchrun ending a failed group) mid-write, a writer is left
+  blocked forever on a multiprocessing lock the dead rank held, keeping the rank's
+  stdout, sockets and open files (on a GPU node, its share of the CUDA context), so a
+  launcher that waits for the job's output never returns and every restart leaks another.
+
+``die_with_parent()`` applies both to every child forked from then on (an at-fork hook;
+CPython runs those for ``os.fork``/``multiprocessing`` only, not for ``subprocess``); a
+spawned helper calls :func:`become_helper` first thing and is started inside
+:func:`stop_signals_blocked`, so no signal finds it between its start and that call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+from typing import Iterator
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HELPER_IGNORED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""What launchers and schedulers send to stop a job: the rank decides how to stop, the
+helpers it needs for that ignore them."""
+
+
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def become_helper(parent: int) -> None:
+    """Run first in a helper process of the rank ``parent``: SIGKILL when the rank exits,
+    the stop signals ignored. Exits at once when the rank is already gone."""
+    prctl = _prctl()
+    if prctl is not None:
+        # PDEATHSIG fires when the *thread* that started the helper exits; megatron starts
+        # them from the rank's main thread, which lives as long as the rank.
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the rank died before prctl took effect
+        os._exit(1)
+    for sig in HELPER_IGNORED:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the interpreter's main thread: leave it
+            pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORED)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Around starting a helper that execs (multiprocessing's spawn): it inherits the
+    blocked mask, so a stop signal sent before its :func:`become_helper` ran stays pending
+    instead of killing it; this process gets its own once the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_IGNORED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def die_with_parent() -> bool:
-    """Register the hook; False (nothing done) where the platform has no ``prctl``."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    """Register the at-fork hook; False (nothing done) where the platform has no ``prctl``."""
+    if _prctl() is None:
         return False
     parent = []  # the forking process's pid, set just before each fork (hooks run in that thread)
 
@@ -40,16 +86,7 @@ def die_with_parent() -> bool:
         parent[:] = [os.getpid()]
 
     def after_in_child() -> None:
-        # PDEATHSIG fires when the *thread* that forked exits; megatron forks from the
-        # rank's main thread, which lives as long as the rank.
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if parent and os.getppid() != parent[0]:  # the parent died before prctl took effect
-            os._exit(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):  # not the interpreter's main thread: leave it
-                pass
+        become_helper(parent[0])
 
     os.register_at_fork(before=before, after_in_child=after_in_child)
     return True

@@ -16,9 +16,12 @@ The rule here, per value:
   ``--lr-warmup-fraction``, or when it is a fraction of a decay length that counts as given.
 
 Whenever a value differs, one line (rank 0) names each, both values and which one wins.
+:func:`check_train_iters` decides what a ``--train-iters`` at or below the loaded iteration does.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 from loco_megatron.config import Config, ConfigError
 
@@ -105,3 +108,14 @@ class ResumedSchedule:
         for group in s.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = s.max_lr, s.min_lr
         s.step(increment=0)  # this step's lr and weight decay from the settled values
+
+
+def check_train_iters(train_iters: int, loaded: int, path: pathlib.Path) -> None:
+    """A --train-iters below the loaded iteration is a mistake (exit 2: nothing would train,
+    and the run would end behind its own checkpoint); equal to it, the run is complete:
+    it says so and ends (exit 0, nothing re-saved), so re-running a finished job is harmless."""
+    if train_iters < loaded:
+        error = ConfigError(f"--train-iters {train_iters} is below iteration {loaded} of the checkpoint it "
+                            f"resumes from ({path}): nothing to train; raise --train-iters to continue")
+        error.agreed = True  # every rank loaded the same iteration: printed once
+        raise error

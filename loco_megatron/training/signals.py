@@ -6,10 +6,16 @@ it receives to its workers. The handler only records the signal (no I/O: it may 
 between any two bytecodes). At the end of every step each rank contributes what it saw
 to one tiny all-reduce, so every rank stops after the same iteration, then saves and
 exits 0, even when the signal reached the ranks at different steps.
+
+The same all-reduce carries whether the torchrun agent that started the rank is still its
+parent: when the agent dies (``kill -9``, an OOM kill) nothing supervises the ranks any
+more (no restart, no shutdown of a failed group), so they stop at the same step, save it
+and leave with an error instead of training on under init.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 from typing import Callable, Optional
@@ -29,9 +35,13 @@ class StopRequest:
     """
 
     def __init__(self, stop_file: Optional[str], is_rank0: bool, started_at: float,
-                 print_fn: Callable = print):
+                 print_fn: Callable = print, launcher_pid: Optional[int] = None):
         self.stop_file = pathlib.Path(stop_file) if stop_file else None
         self.is_rank0, self.started_at, self.print = is_rank0, started_at, print_fn
+        self.launcher_pid = launcher_pid
+        """The torchrun agent (this rank's parent) to watch; None: nothing to watch."""
+        self.orphaned = ""
+        """Once agreed: the line saying the agent is gone (the run must end non-zero)."""
         self.signum = 0
         self._previous: dict = {}
 
@@ -63,9 +73,14 @@ class StopRequest:
         any rank's optimizer skipped this step (``skipped``: this rank's; under DiLoCo each
         replica decides its own, and the skip guard must end every rank's run together)."""
         file_seen = bool(self.is_rank0 and self.stop_file and self.stop_file.exists())
-        flags = torch.tensor([float(self.signum), float(file_seen), float(skipped)], device=device)
+        lost = bool(self.launcher_pid and os.getppid() != self.launcher_pid)  # reparented: the agent died
+        flags = torch.tensor([float(self.signum), float(file_seen), float(skipped), float(lost)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signum, file_flag, skipped_any = (int(v) for v in flags.tolist())
+        signum, file_flag, skipped_any, lost_any = (int(v) for v in flags.tolist())
+        if lost_any:
+            self.orphaned = (f"the torchrun agent (pid {self.launcher_pid}) exited and nothing supervises the "
+                             f"ranks any more: stopped")
+            return f"torchrun agent pid {self.launcher_pid} exited", bool(skipped_any)
         if not (signum or file_flag):
             return None, bool(skipped_any)
         if file_seen:

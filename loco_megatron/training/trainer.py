@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from loco_megatron.checkpoint import Checkpointer
+from loco_megatron.checkpoint.model_shape import model_shape
 from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets, resolve_data
@@ -35,7 +36,7 @@ from loco_megatron.training.log_window import (accumulate, accumulate_param, log
                                                reduce_for_logging)
 from loco_megatron.training.preflight import check_start
 from loco_megatron.training.profiling import Profiler
-from loco_megatron.training.schedule import ResumedSchedule
+from loco_megatron.training.schedule import ResumedSchedule, check_train_iters
 from loco_megatron.training.signals import StopRequest
 from loco_megatron.training.summary import RunTotals, end_summary, memory_line, startup_summary
 from loco_megatron.training.state import FsdpModelState, FsdpOptimizerState, ModelState, OptimizerState, TrainerState
@@ -150,7 +151,7 @@ def _layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
             **({"vpp": vpp} if vpp > 1 else {}),
             # (only when folded: checkpoints written before the flag existed stay loadable)
             **({"etp": p.expert_tp} if p.expert_tp != p.tensor_model_parallel_size else {}),
-            "model": [config.model.num_layers, config.model.hidden_size, vocab, config.model.num_experts],
+            "model": model_shape(config.model, vocab),
             # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
             # same buckets: with this in the layout a bucket change is refused in one line.
             "bucket": p.ddp_bucket_size or 0,
@@ -221,6 +222,7 @@ def _start(run: _Run, kernels_why: Optional[str]) -> None:
     if run.resume is not None:
         _print_rank0(layout, f"loading checkpoint {run.resume}")
         run.ckpt.load(run.resume, run.stateful)
+        check_train_iters(config.train.train_iters, run.state.iteration, run.resume)
     flat = config.to_flat_dict()
     # resumed_from_iteration marks where a resumed run's records start in an appended jsonl.
     run_config = {**flat, "world_size": layout.world_size, "data_parallel_size": layout.dp_size,
@@ -250,7 +252,7 @@ def _loop(run: _Run) -> dict:
     last: dict = {}
     window = {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(),
               "grad_norm": None, "skipped": 0, "comm": {}, "loco": None, "param": None}
-    stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at)
+    stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at, launcher_pid=run.env.launcher_pid)
     totals = RunTotals(state.iteration, state.tokens_seen, state.train_time_s)
     stop.discard_stale_file()
     stop.install()
@@ -283,7 +285,9 @@ def _loop(run: _Run) -> dict:
                 break
         if run.outer is not None:  # no outer exchange outlives the run (a save also settles them)
             run.outer.settle()
-        if ckpt.save_root and not _save_due(config, state.iteration):
+        if state.iteration == totals.start_iteration:  # resumed at --train-iters: nothing trained, nothing to save
+            _print_rank0(layout, f"nothing to train: resumed at iteration {state.iteration}, which is --train-iters")
+        elif ckpt.save_root and not _save_due(config, state.iteration):
             _save(run, window)
         ckpt.wait()  # the last (or stop-requested) save is committed before exit
         for timing in ckpt.take_timings():
@@ -292,6 +296,8 @@ def _loop(run: _Run) -> dict:
         if layout.is_logging_rank:
             print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
             run.logger.summary(state.iteration, summary)
+        if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
+            raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
     except RunAborted:  # every rank raises it at the same step: the in-flight save can be finalized
         _print_rank0(layout, ckpt.finish_in_flight(agreed=True))
         raise
