@@ -12,8 +12,10 @@ HEADING = "## 11. DiLoCo: bytes, step time and loss (`speed.py`, `quality.py --v
 MARK_BEGIN = "<!-- measured: python benchmarks/report.py --results results --sections diloco -->"
 MARK_END = "<!-- end measured -->"
 COMMANDS = [
-    "sudo python benchmarks/speed.py --out results/speed_diloco --iters 64 --topologies 2x1,2x2 \\",
+    "sudo python benchmarks/speed.py --out results/speed_diloco --iters 64 --topologies 2x1 \\",
     "    --links 1gbit,100mbit --variants bf16,loco4,dl0,dl4,dls4,dl2,dlnone",
+    "sudo python benchmarks/speed.py --out results/speed_diloco_2x2 --iters 64 --topologies 2x2 \\",
+    "    --links 100mbit --variants bf16,dl0,dl4,dls4,dlnone",
     "python benchmarks/quality.py --out results/quality_diloco_r2 --ranks 2 --iters 1024 --model small \\",
     "    --variants fp32,dl0-h32,dl4-h32,dl4n-h32,dl2-h32,dl2n-h32,dl0-h16,dl4-h16,dl2-h16 --seeds 1234,1235",
     "python benchmarks/quality.py --out results/quality_diloco_r4 --ranks 4 --iters 1024 --model small \\",
@@ -115,18 +117,19 @@ def quality_lines(md: str, replicas: int) -> list[str]:
 
 def measured(res: pathlib.Path) -> list[str]:
     """The summary lines and the tables, from whichever outputs exist in ``res``."""
-    speed = res / "speed_diloco" / "speed.md"
+    speeds = [p for p in (res / "speed_diloco" / "speed.md", res / "speed_diloco_2x2" / "speed.md") if p.is_file()]
     qualities = [(res / f"quality_diloco_r{r}" / "quality.md", r) for r in (2, 4)]
     out: list[str] = []
-    if speed.is_file():
-        md = speed.read_text()
-        out += [*speed_lines(md), ""]
+    for speed in speeds:
+        out += speed_lines(speed.read_text())
+    if speeds:
+        out.append("")
     for path, r in qualities:
         if path.is_file():
             out += quality_lines(path.read_text(), r)
     if out:
         out.append("")
-    if speed.is_file():
+    for speed in speeds:
         md = speed.read_text()
         out += [f"*{md.splitlines()[0].lstrip('# ')}*", ""]
         for heading, table in _groups(md):

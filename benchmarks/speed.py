@@ -176,6 +176,18 @@ def run_one(out: pathlib.Path, name: str, nodes: int, ranks: int, link: str, del
     return metrics, (end_tx - mark["tx"]) / (nodes * ranks) / (last - mark["it"])
 
 
+def _finished(out: pathlib.Path, name: str, iters: int) -> tuple[pathlib.Path, float | None] | None:
+    """``(metrics, wire bytes)`` of a run of ``name`` that an earlier invocation finished
+    (its last record at ``iters``, its wire bytes written), else None."""
+    metrics, wire = out / "runs" / f"{name}.jsonl", out / "runs" / f"{name}.wire.json"
+    if not (metrics.is_file() and wire.is_file()):
+        return None
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    if max((r.get("iteration", 0) for r in rows if "train/lm_loss" in r), default=0) != iters:
+        return None
+    return metrics, json.loads(wire.read_text())["wire_bytes_per_step"]
+
+
 def table(groups: dict, baseline: str = "bf16") -> str:
     """One markdown table per (topology, link) group; ratios to the ``baseline`` variant."""
     out = []
@@ -250,6 +262,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                     help="compute dtype of every run (auto: the faster one in a matmul probe at start)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the runs an earlier invocation finished in --out (same names and --iters)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 steps, 2x1 at 1gbit (bf16 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
@@ -299,10 +313,16 @@ def main() -> None:
                 run_args = [*base_args, *flags, "--global-batch-size", str(nodes * ranks), "--train-iters",
                             str(args.iters), "--log-interval", str(log_interval)]
                 print(f"[{time.time() - t_start:6.0f}s] {name}", flush=True)
-                try:
-                    path, wire = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
-                except SimClusterError as e:
-                    sys.exit(f"error: {name}: {e} (logs in {out / 'logs' / name})")
+                done = _finished(out, name, args.iters) if args.reuse else None
+                if done is not None:
+                    path, wire = done
+                    print(f"         (reusing {path})", flush=True)
+                else:
+                    try:
+                        path, wire = run_one(out, name, nodes, ranks, link, args.delay, run_args, args.timeout)
+                    except SimClusterError as e:
+                        sys.exit(f"error: {name}: {e} (logs in {out / 'logs' / name})")
+                    (out / "runs" / f"{name}.wire.json").write_text(json.dumps({"wire_bytes_per_step": wire}))
                 run = compare_runs.load_run(str(path))
                 run.label = label
                 rows.append({"key": v, **compare_runs.summarize(run), "wire_bytes_per_step": wire})
