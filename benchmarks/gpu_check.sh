@@ -14,6 +14,10 @@
 #      gather, on the Triton kernels and on torch from the same inputs, for the 4-bit and
 #      2-bit defaults: whether they agree (bit for bit, or within the documented bound) and
 #      each phase's time against a device copy (the compression a one-GPU run never does);
+#   4b. LoCo's per-bucket hot path (compress, reduce-scatter launch and decompress-and-sum,
+#      parameter-gather encode and apply) under torch.cuda.set_sync_debug_mode("error"), on
+#      the Triton kernels and on torch, 4 bits and the 2-bit default (benchmarks/sync_check.py):
+#      any blocking host-device synchronisation fails the step;
 #   5. a one-GPU training smoke run of pretrain_gpt.py on NCCL (megatron-core on CUDA,
 #      LoCo hooks installed; a DP group of one sends nothing, so this checks the GPU
 #      path of the model, buckets and optimizer, not compression on the wire);
@@ -51,6 +55,7 @@ step kernel_tests 80 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_ke
 step option_tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_options.py -k "not sm90"
 step kernels_4bit 40 "$PY" benchmarks/kernels.py --sizes 16M,64M,256M --bits 4 --kernels auto
 step kernels_2bit 50 "$PY" benchmarks/kernels.py --sizes 16M,64M --bits 2 --kernels auto
+step sync_debug 60 "$PY" benchmarks/sync_check.py --kernels triton,torch --bits 4,2
 step shapes 60 "$PY" benchmarks/shapes_check.py --kernels triton --numel 67108861 --world 8 --steps 3
 step train_1gpu 80 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
     --train-iters 30 --eval-interval 10 --eval-iters 2 --log-interval 5 --loco-bits 4 --bf16 \
