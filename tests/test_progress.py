@@ -30,7 +30,7 @@ def test_cpu_kernel_build_is_announced_on_first_use_only(tmp_path, monkeypatch):
     and against the line on every start once torch's extensions folder holds the library
     (or after the source changed, when ninja rebuilds, without it)."""
     from loco_megatron.loco import cpu_kernels
-    from loco_megatron.loco.kernel_choice import resolve_kernels
+    from loco_helpers import resolve_kernels
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     built = object()  # stands in for the compiled module: the build itself is tests/test_cpu_kernels.py's

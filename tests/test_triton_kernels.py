@@ -15,7 +15,8 @@ import torch
 from conftest import TINY, torchrun, train_losses
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
-from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line, resolve_kernels
+from loco_helpers import resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

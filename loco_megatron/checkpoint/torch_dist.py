@@ -148,8 +148,9 @@ def metadata_finalizer(folder: pathlib.Path, backend: str, version: int) -> Call
 def _die_with_parent() -> None:
     """Runs in megatron's writer Manager (a spawned server process) before it serves: ask
     Linux to SIGKILL it when the rank that started it dies. Without this a ``kill -9`` of
-    the rank leaves the ~275 MB Manager (and, through it, multiprocessing's resource
-    tracker, which waits for its pipe to close) running under init forever."""
+    the rank leaves the Manager (a whole interpreter with torch imported; through it,
+    multiprocessing's resource tracker, which waits for its pipe to close) running under
+    init forever."""
     import ctypes
     import signal
 
