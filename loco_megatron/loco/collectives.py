@@ -44,15 +44,20 @@ from loco_megatron.loco import rotation as rot
 from loco_megatron.metrics.comm import WallClock
 
 
+def _current(name: str) -> Callable:
+    """``torch.distributed.<name>`` as it is when called (the platform layer may stage it)."""
+    return lambda *args, **kwargs: getattr(dist, name)(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveOps:
     """The ``torch.distributed`` collectives LoCo issues (swap in a wrapper to record or
     delay them; each has torch's signature and returns torch's work handle)."""
 
-    all_to_all_single: Callable = dist.all_to_all_single
-    all_gather: Callable = dist.all_gather
-    all_gather_into_tensor: Callable = dist.all_gather_into_tensor
-    all_reduce: Callable = dist.all_reduce
+    all_to_all_single: Callable = _current("all_to_all_single")
+    all_gather: Callable = _current("all_gather")
+    all_gather_into_tensor: Callable = _current("all_gather_into_tensor")
+    all_reduce: Callable = _current("all_reduce")
 
 
 TORCH_OPS = CollectiveOps()
