@@ -21,7 +21,12 @@ during ``Checkpointer.save`` and ``Checkpointer.load``; "extra" is that peak min
 resident set just before the call. "own" is the rank's share of the distributed
 optimizer's state (fp32 main params + two Adam moments of the elements it owns). Writer
 processes megatron may fork are not counted. The bound is the one the checkpoint code
-aims at: 2 x own + 64 MiB.
+aims at: 2 x own + 64 MiB. On CUDA the device peak is reported too (the allocator's
+``max_memory_allocated`` during the call minus what was allocated before it; "n/a" on
+CPU, where host and device are one), and "state copied by loco" is the bytes the code
+that builds the optimizer's save state cloned (``Tensor.clone`` called from
+``checkpoint/dist_optimizer.py`` or ``training/state.py``): the staging is megatron's
+writer's (see loco_megatron/checkpoint/dist_optimizer.py), so it is 0.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def _probe(out: str, argv: list) -> None:
     import warnings
 
     import psutil
+    import torch
     import torch.distributed as dist
 
     from loco_megatron.checkpoint import Checkpointer, dist_optimizer
@@ -109,6 +115,11 @@ def _probe(out: str, argv: list) -> None:
         def wrapper(self, arg, stateful):
             own = sum(dist_optimizer.own_state_bytes(o) for o in sub_optimizers(stateful["optimizer"].optimizer)
                       if hasattr(o, "gbuf_ranges"))
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            device_before = torch.cuda.memory_allocated() if cuda else 0
             before, max_before = proc.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             peak, done = [before], threading.Event()
 
@@ -126,11 +137,35 @@ def _probe(out: str, argv: list) -> None:
                 max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 if max_after > max_before:  # a new lifetime peak (KiB on Linux): exact, not sampled
                     peak[0] = max(peak[0], max_after * 1024)
-                record[name] = {"extra": peak[0] - before, "own": own, "before": before}
+                device = torch.cuda.max_memory_allocated() - device_before if cuda else None
+                record[name] = {"extra": peak[0] - before, "own": own, "before": before, "device_extra": device}
                 pathlib.Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
         return wrapper
 
-    Checkpointer.save = measured("save", Checkpointer.save)
+    # The optimizer state's staging: our two places that build its save state.
+    staging_code = (str(REPO / "loco_megatron" / "checkpoint" / "dist_optimizer.py"),
+                    str(REPO / "loco_megatron" / "training" / "state.py"))
+    cloned = [0]
+    clone = torch.Tensor.clone
+
+    def counted_clone(self, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename in staging_code:
+            cloned[0] += self.numel() * self.element_size()
+        return clone(self, *args, **kwargs)
+
+    def with_clones(fn):
+        def wrapper(self, arg, stateful):
+            cloned[0] = 0
+            torch.Tensor.clone = counted_clone
+            try:
+                return fn(self, arg, stateful)
+            finally:
+                torch.Tensor.clone = clone
+                record["save"]["cloned"] = cloned[0]
+                pathlib.Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        return wrapper
+
+    Checkpointer.save = with_clones(measured("save", Checkpointer.save))
     Checkpointer.load = measured("load", Checkpointer.load)
     config, env = main_config(argv)
     train(config, env)
@@ -154,8 +189,9 @@ def memory_table(models: dict, cache: str, dps: tuple) -> None:
           "next to the rank's own optimizer state\n")
     print("| model | layout | rank | own optimizer state (MiB) | save: peak extra (MiB) | save / own | "
           "load: peak extra (MiB) | load / own | bound 2 x own + 64 (MiB) | save extra (B/param) | "
-          "load extra (B/param) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "load extra (B/param) | save: device peak extra (MiB) | load: device peak extra (MiB) | "
+          "save: state copied by loco (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name, model_args in models.items():
         for dp in dps:
             params = None
@@ -164,7 +200,13 @@ def memory_table(models: dict, cache: str, dps: tuple) -> None:
                 params = params or _params(model_args)
                 print(f"| {name} ({params / 1e6:.2f}M params) | DP{dp} | {rank} | {own / mib:.1f} | "
                       f"{save / mib:.1f} | {save / own:.2f} | {load / mib:.1f} | {load / own:.2f} | "
-                      f"{(2 * own + 64 * mib) / mib:.1f} | {save / params:.1f} | {load / params:.1f} |", flush=True)
+                      f"{(2 * own + 64 * mib) / mib:.1f} | {save / params:.1f} | {load / params:.1f} | "
+                      f"{_mib(r['save']['device_extra'])} | {_mib(r['load']['device_extra'])} | "
+                      f"{r['save']['cloned'] / mib:.1f} |", flush=True)
+
+
+def _mib(nbytes) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2 ** 20:.1f}"
 
 
 def _params(model_args: list) -> int:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from loco_megatron.loco import LoCoCompressor  # noqa: E402
 from loco_megatron.loco.workspace import Workspace  # noqa: E402
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum  # noqa: E402
+from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_into  # noqa: E402
 from loco_megatron.loco.param_delta import DeltaLayout  # noqa: E402
 from loco_megatron.loco.quantize import QuantOptions  # noqa: E402
 
@@ -113,7 +113,8 @@ def main() -> None:
     recv = layout.pack(codes, scales)
     comp_s = _median_time(lambda: comp.compress(grad, ws), args.repeats)
     # Rank j dequantises W chunks of one shard: one bucket's worth of elements.
-    dec_s = _median_time(lambda: decompress_sum(recv, layout), args.repeats)
+    summed = torch.empty(layout.shard, dtype=torch.float32)
+    dec_s = _median_time(lambda: decompress_into(recv, layout, summed), args.repeats)
     gb = n * 4 / 1e9
     print(f"\nthroughput on this machine ({torch.get_num_threads()} threads), 4-bit:")
     print(f"{'memory copy':<28}{gb / copy_s:>8.2f} GB/s of gradient")

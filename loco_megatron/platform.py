@@ -27,6 +27,11 @@ Two fixes apply on every host (:func:`megatron_fixes`):
 
 Everything patched is restored when the context exits.
 
+Several ranks on one GPU (``benchmarks/gpu_check.sh``: a one-GPU check of multi-rank
+training): :func:`gloo_on_one_gpu` puts every rank on ``cuda:0`` over gloo, which has no
+CUDA implementation of some collectives that megatron-core and LoCo issue; under
+:func:`platform_context` those run on host copies (:func:`gloo_cuda_staging`).
+
 Megatron-FSDP on CPU: :func:`megatron_fsdp_compat` while it is built, and
 :func:`megatron_fsdp_staged_param_gather` on the built instance (its overlapped parameter
 all-gathers, as on a GPU, each gloo gather working on memory only it holds).
@@ -43,8 +48,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Platform", "detect_platform", "cpu_compat", "megatron_fixes", "megatron_fsdp_compat",
-           "megatron_fsdp_staged_param_gather", "platform_context"]
+__all__ = ["Platform", "detect_platform", "cpu_compat", "gloo_cuda_staging", "gloo_on_one_gpu", "megatron_fixes",
+           "megatron_fsdp_compat", "megatron_fsdp_staged_param_gather", "platform_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,68 @@ def detect_platform(local_rank: int, force_cpu: bool = False) -> Platform:
     if torch.cuda.is_available() and not force_cpu:
         return Platform(torch.device("cuda", local_rank), "nccl")
     return Platform(torch.device("cpu"), "gloo")
+
+
+def gloo_on_one_gpu() -> Platform:
+    """Every rank on ``cuda:0``, communicating over gloo (NCCL refuses two ranks on one
+    device): the GPU's compute path - kernels, megatron-core on CUDA - with ranks that
+    really exchange data, on a machine with one GPU."""
+    return Platform(torch.device("cuda", 0), "gloo")
+
+
+STAGED_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")
+"""The ``torch.distributed`` collectives :func:`gloo_cuda_staging` runs on host copies: the
+ones megatron-core and LoCo issue that gloo implements for CPU tensors only."""
+
+
+class _Done:
+    """The work handle of a collective that already completed (it ran synchronously)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _copy(x: Any) -> Any:
+    """A host copy of a tensor (a copy even of a CPU one: the output is written back)."""
+    return x.to("cpu", copy=True) if torch.is_tensor(x) else x
+
+
+def _host_staged(collective: Callable, stage: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda) -> Callable:
+    """``collective`` run on host copies when ``stage`` holds for any of its tensors (see
+    :func:`gloo_cuda_staging`)."""
+    def staged(*args, group=None, async_op=False, **kwargs):
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if torch.is_tensor(t)]
+        if not any(stage(t) for t in tensors):
+            return collective(*args, group=group, async_op=async_op, **kwargs)
+        # Synchronous on host copies, then the outputs (the first argument) copied back;
+        # an async caller gets a completed handle: program order is kept on every rank.
+        host = [[_copy(x) for x in a] if isinstance(a, (list, tuple)) else _copy(a) for a in args]
+        collective(*host, group=group, **kwargs)
+        out, out_host = args[0], host[0]
+        for dst, src in (zip(out, out_host) if isinstance(out, (list, tuple)) else [(out, out_host)]):
+            dst.copy_(src)
+        return _Done() if async_op else None
+
+    return staged
+
+
+@contextlib.contextmanager
+def gloo_cuda_staging() -> Iterator[None]:
+    """While active, :data:`STAGED_COLLECTIVES` given CUDA tensors run synchronously on
+    host copies (the call's first argument is its output, copied back to the device);
+    CPU tensors pass straight through. Patches ``torch.distributed`` and megatron-core's
+    bucket collectives (module-level aliases of the same functions)."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    with contextlib.ExitStack() as stack:
+        for name in STAGED_COLLECTIVES:
+            _patch(stack, torch.distributed, name, _host_staged(getattr(torch.distributed, name)))
+        _patch(stack, pgb, "dist_reduce_scatter_func", torch.distributed.reduce_scatter_tensor)
+        _patch(stack, pgb, "dist_all_gather_func", torch.distributed.all_gather_into_tensor)
+        yield
 
 
 def _is_cuda_device(dev: Any) -> bool:
@@ -305,6 +372,8 @@ def platform_context(platform: Platform) -> Iterator[None]:
         stack.enter_context(megatron_fixes())
         if platform.is_cuda:
             torch.cuda.set_device(platform.device)
+            if platform.backend == "gloo":
+                stack.enter_context(gloo_cuda_staging())
         else:
             stack.enter_context(cpu_compat())
         yield

@@ -30,14 +30,19 @@ def _slices(opt, keys: dict) -> dict:
 
 
 def _writer_bytes(sd: dict) -> int:
-    """Bytes of the distinct storages behind the optimizer-state tensors in ``sd``."""
+    """Bytes of memory the optimizer-state tensors in ``sd`` cover (the union of their
+    ranges: views of the live state count what they show, not the buffer behind them)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    storages = {}
-    for sh in nested_values(sd["params"]):
-        storage = sh.data.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    spans = sorted((sh.data.data_ptr(), sh.data.data_ptr() + sh.data.numel() * sh.data.element_size())
+                   for sh in nested_values(sd["params"]))
+    total, end = 0, None
+    for a, b in spans:
+        if end is None or a >= end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
 
 
 def main(dump: pathlib.Path, argv: list) -> None:

@@ -43,10 +43,11 @@ def open_tp_gap(chunks) -> None:
             p.main_grad.add_(1.0)
 
 
-class CheckedHook(GradSyncHook):
-    def __init__(self, chunks, loco, stats):
-        self._chunks, self._it = chunks, 0
-        super().__init__(chunks, loco, stats)
+class OnIteration:
+    """Mixin for a gradient hook: ``on_iteration(value)`` runs whenever the trainer sets
+    ``iteration`` (at the start of every step; 0 at construction)."""
+
+    _it = 0
 
     @property
     def iteration(self) -> int:
@@ -55,6 +56,18 @@ class CheckedHook(GradSyncHook):
     @iteration.setter
     def iteration(self, value: int) -> None:
         self._it = value
+        self.on_iteration(value)
+
+    def on_iteration(self, value: int) -> None:
+        pass
+
+
+class CheckedHook(OnIteration, GradSyncHook):
+    def __init__(self, chunks, loco, stats):
+        self._chunks = chunks
+        super().__init__(chunks, loco, stats)
+
+    def on_iteration(self, value: int) -> None:
         if value > 0:
             from megatron.core import parallel_state as ps
 

@@ -249,7 +249,8 @@ def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
 def test_checkpoint_smoke(cache_dir):
     """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
     the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
-    per parameter); and against the memory table losing its per-rank rows. Asserts on
+    per parameter); against the memory table losing its per-rank rows; and against the
+    distributed optimizer's state being copied for a synchronous save. Asserts on
     sizes, never on the printed times or resident-set figures."""
     out = _run(["benchmarks/checkpoint.py", "--smoke", "--data-cache-path", cache_dir]).stdout.splitlines()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
@@ -260,6 +261,9 @@ def test_checkpoint_smoke(cache_dir):
     # One row per rank, its own optimizer shard beside the measured peaks (figures, no threshold).
     assert [(r[1], r[2]) for r in memory] == [("DP2", "0"), ("DP2", "1")], memory
     assert all(float(r[3]) > 0 for r in memory), memory
+    # The synchronous save stages nothing itself (megatron's writer does): no state copied by
+    # our code; the device peak is n/a on CPU.
+    assert all(r[13] == "0.0" and r[11] == "n/a" for r in memory), memory
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "triton"])

@@ -231,3 +231,30 @@ def test_each_rank_writes_only_its_optimizer_shard(dp2_to_dp4_dumps):
     for dump in saved:
         assert dump["own_bytes"] < replica  # DP2: each rank owns a part of the state
         assert dump["writer_bytes"] <= dump["own_bytes"], (dump["writer_bytes"], dump["own_bytes"], replica)
+
+
+def test_fsdp_optimizer_state_dict_copies_nothing():
+    """Guards against the torch format's Megatron-FSDP optimizer state being cloned on the
+    device at every save (parameters and both moments: 12 bytes per local parameter): the
+    state dict must hand out the live tensors' storage, which torch.save then copies to the
+    host one storage at a time; and it must still hold their values."""
+    from types import SimpleNamespace
+
+    from loco_megatron.training.state import FsdpOptimizerState
+
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
+    adam = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam.step()
+    clones = []
+    original = torch.Tensor.clone
+    torch.Tensor.clone = lambda t, *a, **k: clones.append(t.numel()) or original(t, *a, **k)
+    try:
+        (sd,) = FsdpOptimizerState(SimpleNamespace(optimizer=adam)).state_dict()
+    finally:
+        torch.Tensor.clone = original
+    assert clones == []
+    for p, saved, state in zip(params, sd["params"], sd["state"]):
+        assert saved.data_ptr() == p.data_ptr() and torch.equal(saved, p)
+        assert state["exp_avg"].data_ptr() == adam.state[p]["exp_avg"].data_ptr()

@@ -150,3 +150,35 @@ def test_all_gather_sum_equals_rank_ordered_sum_on_every_rank(world, numel, bits
             assert torch.equal(got, out[0][step][0])
             assert (got - plain).norm() / plain.norm() < {2: 1.0, 4: 0.25}[bits]
             assert nbytes == (world - 1) * row_bytes
+
+
+def test_reduce_scatter_keeps_its_send_buffer_until_wait(monkeypatch):
+    """Guards against the send buffer being freed while the all-to-all may still read it
+    (safe only where the backend tracks its inputs, as NCCL's caching allocator does): the
+    handle must hold the send tensor until ``wait()``, then let it go."""
+    import gc
+    import weakref
+
+    from loco_megatron.loco import collectives as col
+
+    monkeypatch.setattr(col.dist, "get_rank", lambda group=None: 0)
+    sent = []
+
+    class Pending:
+        def wait(self):
+            pass
+
+    def all_to_all_single(recv, send, group=None, async_op=False):
+        sent.append(weakref.ref(send))
+        recv.copy_(send)
+        return Pending()
+
+    layout = ShardLayout(1000, 1, 4, 256)
+    comp = LoCoCompressor(**layout.compressor_shape(), bits=4)
+    work, _ = compressed_reduce_scatter(torch.randn(1000), comp.compress, layout, None, async_op=True,
+                                        ops=col.CollectiveOps(all_to_all_single=all_to_all_single))
+    gc.collect()
+    assert sent[0]() is not None
+    work.wait()
+    gc.collect()
+    assert sent[0]() is None

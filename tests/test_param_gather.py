@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from loco_megatron.loco.param_delta import (DECODE_CHUNK, AgreedShard, DeltaLayout, add_delta, decode_rows,
-                                            encode_delta)
+from loco_helpers import decode_rows, finish_shard
+from loco_megatron.loco.param_delta import DECODE_CHUNK, AgreedShard, DeltaLayout, add_delta, encode_delta
 from loco_megatron.loco.param_gather import ParamGatherWork, compressed_param_all_gather
 from loco_megatron.metrics.comm import WallClock
 from loco_megatron.loco.quantize import QuantOptions, dequantize_blockwise, quantize_blockwise
@@ -59,7 +59,7 @@ def test_aliased_shard_swaps_main_in_for_the_step_and_back_on_skip():
     assert own.tolist() == [1.0, 2.0] and s.spare.tolist() == [1.5, 2.5] and not s.pending
     s.begin_step()
     own += 1  # the optimizer step
-    s.finish(torch.tensor([2.4, 3.4]))
+    finish_shard(s, torch.tensor([2.4, 3.4]))
     assert own.tolist() == pytest.approx([2.4, 3.4]) and s.spare.tolist() == [2.5, 3.5]
     restored = AgreedShard(own.clone(), main_aliased=True)
     restored.load_state_dict(s.state_dict())

@@ -55,3 +55,72 @@ def test_moe_split_sizes_become_lists():
         probe(None, None, np.array([1, 2]), np.array([3, 4]))
     assert seen == {"o": [1, 2], "i": [3, 4]}
     assert td.all_to_all is original
+
+
+def _staging_worker(rank: int, world: int, port: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from loco_megatron import platform
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.arange(8, dtype=torch.float32) + 10 * rank
+        always = lambda t: True  # noqa: E731 - stage CPU tensors too, as CUDA ones would be
+        for name in platform.STAGED_COLLECTIVES:
+            direct, staged = getattr(dist, name), platform._host_staged(getattr(dist, name), stage=always)
+            if name == "all_gather":
+                want, got = [torch.empty(8) for _ in range(world)], [torch.empty(8) for _ in range(world)]
+            else:
+                size = {"all_gather_into_tensor": 8 * world, "reduce_scatter_tensor": 8 // world}.get(name, 8)
+                want, got = torch.empty(size), torch.empty(size)
+            direct(want, x, group=None)
+            handle = staged(got, x, group=None, async_op=True)
+            assert handle.wait() and handle.is_completed(), name
+            for a, b in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
+                assert torch.equal(a, b), (name, a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_staged_collectives_equal_the_direct_ones():
+    """Guards against the gloo-on-one-GPU staging (platform.gloo_cuda_staging) delivering
+    other values than the collective it stands in for, or an async caller getting a handle
+    that is not complete: on 2 gloo ranks, each staged collective (forced onto host copies,
+    as a CUDA tensor would be) writes exactly what the direct call writes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_staging_worker, args=(2, port), nprocs=2, start_method="spawn")
+
+
+def test_gpu_ranks_compare_says_bit_exact_or_not(tmp_path):
+    """Guards against gpu_check.sh's resume check passing a resume that differs (or one
+    that logged nothing): benchmarks/gpu_ranks.py --compare exits 0 only when every resumed
+    loss equals the unbroken run's at the same iteration."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def write(name, losses):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"iteration": i, "train/lm_loss": v}) + "\n" for i, v in losses.items()))
+        return str(path)
+
+    full = write("full.jsonl", {1: 9.5, 2: 9.25, 3: 9.125, 4: 9.0})
+
+    def rc(resumed):
+        cmd = [sys.executable, "benchmarks/gpu_ranks.py", "--compare", full, write("r.jsonl", resumed)]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).returncode
+
+    assert rc({3: 9.125, 4: 9.0}) == 0
+    assert rc({3: 9.125, 4: 9.000001}) == 1
+    assert rc({}) == 1

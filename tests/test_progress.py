@@ -30,7 +30,7 @@ def test_cpu_kernel_build_is_announced_on_first_use_only(tmp_path, monkeypatch):
     against the line on every start once the build folder holds a finished build (or a
     ``.so`` still being linked taken for one: only the build's own mark counts)."""
     from loco_megatron.loco import cpu_kernels
-    from loco_megatron.loco.kernel_choice import resolve_kernels
+    from loco_helpers import resolve_kernels
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     built = object()  # stands in for the compiled module: the build itself is tests/test_cpu_kernels.py's

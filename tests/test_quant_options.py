@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from loco_megatron.config import ConfigError
 from loco_megatron.config.loco import LoCoConfig
 from loco_megatron.loco import LoCoCompressor, quantize as qz, rotation as rot
-from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter, decompress_sum
-from loco_megatron.loco.kernel_choice import resolve_kernels
+from loco_helpers import decompress_sum, resolve_kernels
+from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter
 
 ALL = qz.QuantOptions("uniform", "mse", "hadamard", "stochastic", seed=11)
 QUANT_ROT = [qz.QuantOptions(q, "absmax", r) for q in qz.QUANTIZERS for r in qz.ROTATIONS]

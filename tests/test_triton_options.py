@@ -200,17 +200,22 @@ def test_kernels_compile_for_sm90():
     """Guards against kernels that pass every interpreted test and do not compile on a GPU
     (the interpreter accepts code the compiler refuses), and against the products the
     reference rounds being fused into FMAs: one subprocess without TRITON_INTERPRET
-    compiles compress and decompress for sm_90 (the original 4-bit scheme, the 2-bit
+    compiles compress and decompress for sm_90 (the original 4-bit scheme, with rows of
+    whole blocks too, the 2-bit
     default with error feedback, + stochastic rounding, bf16-out decompress with the
     rotation) and the parameter gather's decode-and-apply (4-bit fp32 in place, 2-bit
     Hadamard bf16 own shard); each gives a cubin, and its PTX holds the explicit mul.rn
-    (without it the delta q*s would be contracted into the add of the parameter)."""
+    (without it the delta q*s would be contracted into the add of the parameter); and
+    against a compress whose gradient loads are not vectorised (16-byte ``ld.global.v4``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-m", "loco_megatron.loco.triton_kernels.ahead"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 7 and all(": ok ptx" in ln and ln.endswith("mul.rn True") for ln in lines), out.stdout
+    assert len(lines) == 8 and all(": ok ptx" in ln and ln.endswith("mul.rn True") for ln in lines), out.stdout
     assert sum(ln.startswith("param apply") for ln in lines) == 2, out.stdout
+    # Memory speed needs wide loads: every compress reads its fp32 gradient 16 bytes at a time.
+    compress = [ln for ln in lines if ln.startswith("compress")]
+    assert len(compress) == 4 and all(int(ln.split(" v4-loads ")[1].split()[0]) > 0 for ln in compress), out.stdout
     assert all(int(ln.split(" cubin ")[1].split()[0]) > 0 for ln in lines)

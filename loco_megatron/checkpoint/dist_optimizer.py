@@ -13,9 +13,13 @@ supported"), and its ``fully_reshardable`` format gathers the whole replica onto
 of a row-major tensor is a handful of rectangular blocks (a partial row, whole rows, a
 partial row, recursively per axis), each one a ShardedTensor chunk of the global tensor at
 the model-parallel offset plus its offset inside the local shard. The chunks are views of
-one staging copy of the rank's own slice, so no rank holds more than its own optimizer
-state again; loading asks for the blocks of the new layout's slices and DCP reads them from
-whichever saved chunks overlap, which is what makes any DP/TP/PP/EP change bit-exact.
+the live optimizer state, never a copy on the device: megatron's writer stages them before
+training goes on (a synchronous save writes them while the loop waits; --async-save copies
+them to host memory, from CUDA with pinned non-blocking copies, when the write is scheduled,
+and forks the writer from that snapshot), so a save adds no device memory at all and the
+host holds at most the one staged copy the background write needs. Loading asks for the
+blocks of the new layout's slices and DCP reads them from whichever saved chunks overlap,
+which is what makes any DP/TP/PP/EP change bit-exact.
 """
 
 from __future__ import annotations
@@ -133,8 +137,8 @@ def _model_meta(model_sd: dict) -> dict:
 def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
     """One DistributedOptimizer's state: ``{"common": ..., "params": {i: {name: [ShardedTensor]}}}``,
     the blocks of this rank's own slice of every parameter it holds state for. Saving
-    passes one copy of the rank's own slices (the writer may still be reading them while
-    training goes on under --async-save); loading, empty buffers of the same size."""
+    passes views of the live state (no copy: see the module docstring for who stages them
+    and when); loading, empty host buffers of the same size."""
     meta = _model_meta(model_sd)
     params = {}
     for i, (param, start, end) in enumerate(owned_slices(opt)):
@@ -142,8 +146,7 @@ def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
         pieces = list(_pieces(meta[param], start, end))
         entry = {}
         for key, name in _KEYS:
-            staging = (torch.empty(end - start, dtype=torch.float32) if is_loading
-                       else tensors[key].clone())
+            staging = torch.empty(end - start, dtype=torch.float32) if is_loading else tensors[key]
             entry[name] = [dataclasses.replace(m, key=f"optimizer.state.{name}.{m.key}",
                                                data=staging[flat - start:flat - start + math.prod(shape)].view(shape))
                            for m, shape, flat in pieces]

@@ -44,15 +44,20 @@ from loco_megatron.loco import rotation as rot
 from loco_megatron.metrics.comm import WallClock
 
 
+def _current(name: str) -> Callable:
+    """``torch.distributed.<name>`` as it is when called (the platform layer may stage it)."""
+    return lambda *args, **kwargs: getattr(dist, name)(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveOps:
     """The ``torch.distributed`` collectives LoCo issues (swap in a wrapper to record or
     delay them; each has torch's signature and returns torch's work handle)."""
 
-    all_to_all_single: Callable = dist.all_to_all_single
-    all_gather: Callable = dist.all_gather
-    all_gather_into_tensor: Callable = dist.all_gather_into_tensor
-    all_reduce: Callable = dist.all_reduce
+    all_to_all_single: Callable = _current("all_to_all_single")
+    all_gather: Callable = _current("all_gather")
+    all_gather_into_tensor: Callable = _current("all_gather_into_tensor")
+    all_reduce: Callable = _current("all_reduce")
 
 
 TORCH_OPS = CollectiveOps()
@@ -172,13 +177,6 @@ def decompress_into(recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor, 
         out[start:start + n].copy_(acc.view(-1)[:n])
 
 
-def decompress_sum(recv: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """fp32 ``[S]``: the sum over ranks, in rank order, of the dequantised rows of ``recv``."""
-    out = torch.empty(layout.shard, dtype=torch.float32, device=recv.device)
-    decompress_into(recv, layout, out)
-    return out
-
-
 def gather_rows(buffer: torch.Tensor, mine: torch.Tensor, layout: ShardLayout, group,
                 ops: CollectiveOps = TORCH_OPS) -> int:
     """Without the distributed optimizer every rank needs the whole reduced buffer: all-
@@ -212,10 +210,12 @@ class CompressedReduceScatterWork:
     :mod:`loco_megatron.metrics.comm`); ``gather_bytes`` what the all-gather handed over.
     """
 
-    def __init__(self, work, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
                  group, gather_into: Optional[torch.Tensor], scale: float, clock, launch_mark,
                  decompress: Callable = decompress_into, ops: CollectiveOps = TORCH_OPS):
-        self._work, self._recv, self._layout, self._out = work, recv, layout, out
+        # send stays referenced until wait(): the collective may read it until it completes
+        # (a backend that does not track its inputs' lifetime would read freed memory).
+        self._work, self._send, self._recv, self._layout, self._out = work, send, recv, layout, out
         self._decompress, self._ops = decompress, ops
         self._group, self._gather_into, self._scale = group, gather_into, scale
         self.clock, self.launch_mark = clock, launch_mark
@@ -243,7 +243,7 @@ class CompressedReduceScatterWork:
         if self._gather_into is not None:
             self.gather_bytes = gather_rows(self._gather_into, self._out, self._layout, self._group, self._ops)
         self.done_mark = self.clock.mark()
-        self._recv = None
+        self._recv = self._send = None
 
 
 def compressed_reduce_scatter(
@@ -283,7 +283,7 @@ def compressed_reduce_scatter(
         a, b = layout.row_range(rank)
         out = buffer[a:b]
     handle = CompressedReduceScatterWork(
-        work, recv, layout, out, group, buffer if all_gather else None,
+        work, send, recv, layout, out, group, buffer if all_gather else None,
         1.0 / layout.world if average else 1.0, clock, launch, decompress, ops)
     if not async_op and out is not None:  # else the caller sets the output, then waits
         handle.wait()

@@ -122,6 +122,7 @@ class LoCoCompressor:
         self.padded_numel = self.num_blocks * block_size
         self.chunk_blocks = max(1, chunk_elements // block_size)
         self._chunk_list = self._chunks()  # fixed by the shape: not rebuilt every step
+        self._stats_consts: Optional[tuple] = None  # see _stats
         self.last_stats: Optional[torch.Tensor] = None
         """fp32 ``[4]`` sums from the last :meth:`compress` (see there)."""
         self.step = 0
@@ -301,11 +302,21 @@ class LoCoCompressor:
                 new_e = h.mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
                 sums[0] += torch.linalg.vector_norm(new_e).square()
                 self._store_error(new_e, finite, work, b0, b1)
-        # Keep the NaN of a bad step out of the metrics as well as out of the error.
-        stats = torch.cat([sums, torch.tensor([float(self.numel)], device=dev)])
-        self.last_stats = torch.where(finite, stats, torch.zeros(4, device=dev))
+        self.last_stats = self._stats(sums, finite)
         self.step += 1
         return codes, scales
+
+    def _stats(self, sums: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """:attr:`last_stats` from the fp32 ``[3]`` device sums: ``numel`` appended, all zero
+        when ``finite`` (0-d bool) is False, so the NaN of a bad step stays out of the
+        metrics as well as out of the error. The ``[1]`` numel and the ``[4]`` zeros are
+        device constants made once: a fresh ``torch.tensor`` from a Python value here would
+        be a blocking pageable host-to-device copy inside the backward hooks."""
+        dev = sums.device
+        if self._stats_consts is None or self._stats_consts[0].device != dev:
+            self._stats_consts = (torch.full((1,), float(self.numel), device=dev), torch.zeros(4, device=dev))
+        numel, zeros = self._stats_consts
+        return torch.where(finite, torch.cat([sums, numel]), zeros)
 
     def _compress_triton(self, grad: torch.Tensor, ws: "Workspace") -> tuple[torch.Tensor, torch.Tensor]:
         """The same step as :meth:`compress` in one fused kernel (see :mod:`.triton_kernels`)."""
@@ -324,8 +335,7 @@ class LoCoCompressor:
         if ef:  # the NaN/Inf rule needs the whole buffer's verdict: select on the device
             torch.where(finite, new_err, self._err, out=self._err)
             torch.where(finite, new_scales, self._err_scales, out=self._err_scales)
-        sums = torch.cat([stats.sum(dim=0), torch.tensor([float(self.numel)], device=dev)])
-        self.last_stats = torch.where(finite, sums, torch.zeros(4, device=dev))
+        self.last_stats = self._stats(stats.sum(dim=0), finite)
         self.step += 1
         return codes, scales
 

@@ -77,11 +77,6 @@ def choose_kernels(choice: str, device_type: str, interpret: bool, bits: int, bl
     return "triton", None
 
 
-def resolve_kernels(*args, **kwargs) -> str:
-    """The kernels of :func:`choose_kernels` (same arguments), without the reason."""
-    return choose_kernels(*args, **kwargs)[0]
-
-
 def kernels_line(kernels: str, grads_compressed: bool, param_gather_bits: int, why: Optional[str],
                  param_options: str = "") -> str:
     """The start-up line naming the kernels in use, e.g. ``kernels: grads cpu, params cpu``
@@ -121,3 +116,11 @@ def decompressor(kernels: str) -> Callable:
     from loco_megatron.loco.collectives import decompress_into
 
     return decompress_into
+
+
+def hook_kernels(choice: str) -> tuple[str, Callable]:
+    """``(kernels, decompress)`` of a gradient hook for ``--loco-kernels choice``: the trainer
+    resolves ``auto`` before building the hooks (it knows the device); a hook built directly
+    with ``auto`` runs torch. ``decompress``: that kernels' :func:`decompressor`."""
+    kernels = choice if choice != "auto" else "torch"
+    return kernels, decompressor(kernels)

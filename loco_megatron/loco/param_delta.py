@@ -52,8 +52,8 @@ DECODE_CHUNK = 1 << 18
 temporaries are sized by this, not by the bucket (megatron gives every pipeline stage
 after the first, and any run with --no-overlap-grad-reduce, one bucket for the stage).
 Large enough that the per-chunk launch cost of the dozen tensor ops of an encode or a
-decode stays small against their work: at 64K elements the decode of a 17M-element
-model spent about as long in that overhead as in the arithmetic."""
+decode stays small against their work: that cost is fixed per chunk, so a chunk much
+smaller than this spends as long launching as computing."""
 
 CHUNK_TEMP_BYTES_PER_ELEMENT = 48
 """Upper bound on the temporaries one chunk element needs at once, in bytes: the fp32
@@ -206,17 +206,6 @@ def decode_chunk(row: torch.Tensor, scales: torch.Tensor, layout: DeltaLayout, b
     return torch.mul(q, scales[b0:b1].unsqueeze(1)).view(-1)[:numel]
 
 
-def decode_rows(rows: torch.Tensor, layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole-bucket fp32 deltas ``[W, S]`` and the finite mask: the reference the chunked
-    decode is checked against (the gather itself never builds this)."""
-    scales, finite = row_scales(rows, layout)
-    deltas = torch.empty(layout.world, layout.shard, dtype=torch.float32, device=rows.device)
-    for j in range(layout.world):
-        for b0, b1, lo, hi in layout.chunks():
-            deltas[j, lo:hi] = decode_chunk(rows[j], scales[j], layout, b0, b1, hi - lo)
-    return deltas, finite
-
-
 def add_delta(agreed: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """``cast(float(agreed) + delta)`` at ``agreed``'s dtype: the one formula every rank uses."""
     return (agreed.float() + delta).to(agreed.dtype)
@@ -329,11 +318,6 @@ class AgreedShard:
     def finished(self) -> None:
         self.pending = False
         self.gathers += 1
-
-    def finish(self, new_agreed: torch.Tensor) -> None:
-        """:meth:`finish_slice` of the whole shard, then :meth:`finished`."""
-        self.finish_slice(0, self.own.numel(), new_agreed)
-        self.finished()
 
     def agree_on_model(self) -> None:
         """The loaded model shard becomes both agreed and main (nothing else to go by: a

@@ -296,7 +296,9 @@ def option_scales(blocks: torch.Tensor, bits: int, opts: QuantOptions) -> torch.
     t = torch.div(blocks, divisor(base))
     work = torch.empty_like(blocks)
     one = torch.ones((), dtype=torch.float32, device=blocks.device)
-    ratios = torch.tensor(MSE_CLIP_RATIOS, dtype=torch.float32, device=blocks.device)
+    # The ratios as 0-dim device tensors filled by kernels: torch.tensor(MSE_CLIP_RATIOS,
+    # device=...) would be a blocking pageable host-to-device copy per chunk.
+    ratios = torch.stack([one.new_full((), c) for c in MSE_CLIP_RATIOS])
     errs = []
     for cf in ratios:
         q = torch.mul(t, one / cf, out=work).round_().clamp_(lo, hi)

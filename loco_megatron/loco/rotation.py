@@ -16,6 +16,8 @@ the ``B x B`` Walsh-Hadamard matrix (``H H = B I``) and ``d`` a fixed vector of 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -27,10 +29,17 @@ def check_block_size(block_size: int) -> None:
 
 def signs(block_size: int, seed: int, device=None) -> torch.Tensor:
     """fp32 ``[block_size]`` of ``+-1`` from ``seed`` (the same on every rank and machine:
-    CPU generator, then moved)."""
+    CPU generator, then moved). Read-only: derived once per (block, seed, device), since
+    the move is a blocking host-to-device copy that a per-call derivation would put on the
+    hot path (the quantiser's rotated encode and decode)."""
     check_block_size(block_size)
+    return _signs(block_size, seed, torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(block_size: int, seed: int, device: torch.device) -> torch.Tensor:
     bits = torch.randint(0, 2, (block_size,), generator=torch.Generator().manual_seed(seed))
-    return (bits.float() * 2 - 1).to(device or "cpu")
+    return (bits.float() * 2 - 1).to(device)
 
 
 def _wht(x: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,8 @@ reducing them across TP: each TP rank's data-parallel reduction of an identical 
 gives an identical result. LoCo breaks that: a replicated parameter shares its
 quantisation blocks (and Hadamard rotations) with TP-split parameters whose values differ
 between TP ranks, so each TP rank receives a differently quantised gradient and the
-copies drift apart from the first step (tested: TP2 x DP2, 2-bit, fp32 weights differ
-after one step; a resume then loads TP rank 0's copy on every rank, so it was not
-bit-exact either).
+copies drift apart from the first step; a resume, which loads TP rank 0's copy on every
+TP rank, would then not continue bit-exactly either.
 
 :class:`ReplicaGradAverage` runs after megatron's ``finalize_model_grads`` (every
 bucket's reduction finished) and averages the reduced gradients of those parameters

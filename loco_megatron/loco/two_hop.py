@@ -211,8 +211,8 @@ def two_hop_reduce_scatter(buffer: torch.Tensor, layout: TwoHopLayout, groups: N
         # One pass converts and transposes (row b of send goes to local rank b). An
         # all-to-all and a sum here in fp32, in rank order, instead of a bf16
         # reduce-scatter: the sum is exact fp32 (a bf16 reduce-scatter rounds every
-        # partial sum to bf16), deterministic, and gloo's reduce-scatter costs several
-        # times the CPU of its all-to-all (profile: docs/benchmarks.md, two-hop). Same
+        # partial sum to bf16), deterministic, and it avoids gloo's reduce-scatter, which
+        # costs more CPU than its all-to-all (docs/benchmarks.md, two-hop). Same
         # bytes on the wire per rank; the receive buffer holds R rows, not one.
         send = torch.empty((R, n, S), dtype=torch.bfloat16, device=buffer.device)
         send.copy_(rows.transpose(0, 1))

@@ -148,7 +148,11 @@ class FsdpModelState:
 class FsdpOptimizerState:
     """Megatron-FSDP's distributed optimizer for --ckpt-format torch: per sub-optimizer, the
     param groups' hyper-parameters and, per parameter (in param-group order), the local
-    parts of its fp32 main weight and Adam state."""
+    parts of its fp32 main weight and Adam state.
+
+    :meth:`state_dict` hands out detached views of the live tensors, never a copy on the
+    device: the torch format serialises them at once (``torch.save`` copies one storage at a
+    time to the host), before training goes on."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -158,10 +162,10 @@ class FsdpOptimizerState:
         for opt in sub_optimizers(self.optimizer):
             inner = opt.optimizer
             params = [p for g in inner.param_groups for p in g["params"]]
-            state = [{k: _local(v).detach().clone() if torch.is_tensor(v) else v
+            state = [{k: _local(v).detach() if torch.is_tensor(v) else v
                       for k, v in inner.state.get(p, {}).items()} for p in params]
             groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-            out.append({"groups": groups, "params": [_local(p).detach().clone() for p in params], "state": state})
+            out.append({"groups": groups, "params": [_local(p).detach() for p in params], "state": state})
         return out
 
     @torch.no_grad()

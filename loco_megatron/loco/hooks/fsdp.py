@@ -51,7 +51,7 @@ from loco_megatron.loco.collectives import (TORCH_OPS, CollectiveOps, ShardLayou
                                             gathered_layout)
 from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
 from loco_megatron.loco.hooks.version import check_megatron_core_version
-from loco_megatron.loco.kernel_choice import decompressor
+from loco_megatron.loco.kernel_choice import hook_kernels
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.metrics.comm import CommStats
@@ -87,11 +87,8 @@ class FsdpGradHook:
         index = self._buffer.dist_index
         self._outer = index.get_outer_fsdp_group() if index.use_hybrid_fsdp else None
         self._rpn = loco.loco_ranks_per_node or dist.get_world_size()
-        # "auto" is resolved by the trainer (it knows the device); torch when used directly.
-        self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
-        self._decompress = decompressor(self._kernels)
-        self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
-                                     loco.loco_quant_seed)
+        self._kernels, self._decompress = hook_kernels(loco.loco_kernels)
+        self._options = QuantOptions(**loco.options_for(loco.loco_bits), seed=loco.loco_quant_seed)
         self._workspace = Workspace()
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from loco_megatron.config import LoCoConfig
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter
 from loco_megatron.loco.compressor import LoCoCompressor, load_compressor_states
-from loco_megatron.loco.kernel_choice import decompressor
+from loco_megatron.loco.kernel_choice import hook_kernels
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
 from loco_megatron.loco.two_hop import (Hop2Sequencer, NodeGroups, TwoHopLayout, TwoHopWork, build_node_groups,
@@ -81,7 +81,6 @@ class GradSyncHook:
                  log: Optional[Callable[[str], None]] = None):
         check_megatron_core_version()
         self.loco, self.stats, self.clock = loco, stats, stats.clock
-        self._ops = ops
         self.ops = ops
         """The collectives this hook issues (the TP replica average issues its own through them too)."""
         self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
@@ -90,11 +89,8 @@ class GradSyncHook:
         self.compressors: dict[str, LoCoCompressor] = {}
         self._layouts: dict[str, ShardLayout] = {}
         self._workspace = Workspace()  # one scratch for all buckets (they compress in turn)
-        # "auto" is resolved by the trainer (it knows the device); torch when used directly.
-        self._kernels = loco.loco_kernels if loco.loco_kernels != "auto" else "torch"
-        self._decompress = decompressor(self._kernels)
-        self._options = QuantOptions(loco.loco_quantizer, loco.loco_scale, loco.loco_rotation, loco.loco_rounding,
-                                     loco.loco_quant_seed)
+        self._kernels, self._decompress = hook_kernels(loco.loco_kernels)
+        self._options = QuantOptions(**loco.options_for(loco.loco_bits), seed=loco.loco_quant_seed)
         self._node_groups = self._build_node_groups(ddp_models) if loco.enabled else {}
         self._split: dict[int, tuple[int, int]] = {}  # comm group -> (its ranks on my node, its size)
         self._hop2_order = Hop2Sequencer()  # hop 2s in launch order on every rank
@@ -271,7 +267,7 @@ class GradSyncHook:
                 self._layouts[key], comm, async_op=async_op,
                 all_gather=not ddp_config.use_distributed_optimizer,
                 average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
-                ops=self._ops)
+                ops=self.ops)
             self.stats.add_interval("compress", start, work.launch_mark)
             self.stats.add_loco(compressor.last_stats)
             self._split_bytes(group, nbytes)
@@ -319,7 +315,7 @@ class GradSyncHook:
             compress_inter, async_op=async_op,
             average=ddp_config.average_in_collective, clock=self.clock, decompress=self._decompress,
             gather_group=None if ddp_config.use_distributed_optimizer else comm, sequencer=self._hop2_order,
-            workspace=self._workspace, ops=self._ops)
+            workspace=self._workspace, ops=self.ops)
         self.stats.add_interval("compress", start, work.launch_mark)
         if intra is not None:
             self.stats.add_loco(intra.last_stats)

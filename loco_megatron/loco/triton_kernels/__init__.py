@@ -51,6 +51,13 @@ def triton_interpreted() -> bool:
     return isinstance(_compress_kernel, InterpretedFunction)
 
 
+def _tiles(t: torch.Tensor) -> int:
+    """Tiles of :func:`_rows` blocks each compress program walks: many blocks per program on a
+    GPU (32 at B=256: its set-up is paid once per 8192 elements, and the grid stays small);
+    one under the interpreter, whose programs are Python either way."""
+    return 8 if t.is_cuda else 1
+
+
 def _rows(t: torch.Tensor) -> int:
     """Quantisation blocks per program: a 1024-element tile on a GPU (B=256); on CPU, under
     the interpreter, big tiles, since there every program costs Python overhead."""
@@ -98,15 +105,16 @@ def compress(g: torch.Tensor, err, err_scales, beta: float, bits: int, block_siz
     has_err = err is not None
     dummy = scales  # never dereferenced when HAS_ERR (or ROTATE) is False
     signs = _signs(opts, block_size, g)
-    rows = _rows(g)
-    _compress_kernel[(triton.cdiv(nb, rows),)](
+    rows, tiles = _rows(g), _tiles(g)
+    _compress_kernel[(triton.cdiv(nb, rows * tiles),)](
         g.reshape(-1), err if has_err else dummy, err_scales if has_err else dummy, codes, scales,
         new_err if has_err else dummy, new_err_scales if has_err else dummy, stats,
         dummy if signs is None else signs, numel, nb, row_numel, row_blocks, float(beta), 1.0 - beta,
         block_size ** -0.5, _as_i32(key),
         BITS=bits, B=block_size, LOG_B=block_size.bit_length() - 1, ROWS=rows, HAS_ERR=has_err,
         UNIFORM=opts.quantizer == "uniform", MSE=opts.scale == "mse", ROTATE=signs is not None,
-        STOCHASTIC=opts.rounding == "stochastic", NO_FMA=_no_fma(g))
+        STOCHASTIC=opts.rounding == "stochastic", NO_FMA=_no_fma(g), TILES=tiles,
+        EVEN=row_numel % block_size == 0)
     return codes, scales
 
 

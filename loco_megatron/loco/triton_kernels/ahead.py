@@ -17,6 +17,8 @@ import sys
 CONFIGS = {
     "compress 4-bit original": ("compress", dict(BITS=4, HAS_ERR=True, UNIFORM=False, MSE=False, ROTATE=False,
                                                  STOCHASTIC=False)),
+    "compress 4-bit original, whole-block rows": ("compress", dict(BITS=4, HAS_ERR=True, UNIFORM=False, MSE=False,
+                                                                   ROTATE=False, STOCHASTIC=False, EVEN=True)),
     "compress 2-bit default (uniform+mse+hadamard, EF)": ("compress", dict(BITS=2, HAS_ERR=True, UNIFORM=True,
                                                                            MSE=True, ROTATE=True,
                                                                            STOCHASTIC=False)),
@@ -41,11 +43,12 @@ _APPLY_ARGS = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "src_ptr": "*fp32", "d
                "dst2_ptr": "*fp32", "norms_ptr": "*fp32", "signs_ptr": "*fp32", "numel": "i32", "num_blocks": "i32",
                "rot_scale": "fp32"}
 _PARAM_PTRS = ("src_ptr", "dst_ptr", "new_ptr", "dst2_ptr")
+_SIZES = ("numel", "num_blocks", "row_numel", "shard", "shard_blocks")
 
 
 def compile_one(kind: str, consts: dict, arch: int = 90):
     """The compiled kernel (``.asm`` holds ``ptx`` and ``cubin``) of one configuration,
-    block 256, 4 rows, NO_FMA on."""
+    block 256, 4 rows (8 tiles per compress program), NO_FMA on."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -55,6 +58,7 @@ def compile_one(kind: str, consts: dict, arch: int = 90):
     consts = dict(consts, B=256, LOG_B=8, ROWS=4, NO_FMA=True)
     if kind == "compress":
         fn, sig = kernels._compress_kernel, dict(_COMPRESS_ARGS)
+        consts = {"TILES": 8, "EVEN": False, **consts}
     elif kind == "apply":  # the parameters' pointers at their dtype (bf16 as its uint16 bits)
         fn, sig = kernels._param_apply_kernel, dict(_APPLY_ARGS)
         sig.update({k: ("*fp32", "*u16", "*fp16")[consts["DTYPE"]] for k in _PARAM_PTRS})
@@ -63,8 +67,13 @@ def compile_one(kind: str, consts: dict, arch: int = 90):
         consts["WORLD"] = 2
         if consts["OUT_BF16"]:
             sig["out_ptr"] = "*u16"
+    # As the JIT specializes a launch: pointers (torch allocations) 16-byte aligned, and the
+    # sizes divisible by 16 (the common case), so the PTX is the one a GPU runs.
+    names = list(sig)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*") or k in _SIZES}
     sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
 
@@ -77,7 +86,7 @@ def main() -> int:
         try:
             asm = compile_one(kind, consts).asm
             print(f"{name}: ok ptx {len(asm['ptx'])} cubin {len(asm['cubin'])} "
-                  f"mul.rn {'mul.rn.f32' in asm['ptx']}", flush=True)
+                  f"v4-loads {asm['ptx'].count('ld.global.v4')} mul.rn {'mul.rn.f32' in asm['ptx']}", flush=True)
         except Exception as e:  # report every configuration, then fail
             failed += 1
             while e.__cause__ is not None:  # the innermost error says what the compiler refused

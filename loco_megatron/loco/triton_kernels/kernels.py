@@ -21,29 +21,63 @@ def _compress_kernel(g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_p
                      stats_ptr, signs_ptr, numel, num_blocks, row_numel, row_blocks, beta, alpha, rot_scale, key,
                      BITS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr,
                      HAS_ERR: tl.constexpr, UNIFORM: tl.constexpr, MSE: tl.constexpr, ROTATE: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, NO_FMA: tl.constexpr):
+                     STOCHASTIC: tl.constexpr, NO_FMA: tl.constexpr, TILES: tl.constexpr = 1,
+                     EVEN: tl.constexpr = False):
+    """LoCo's compress of blocks ``[TILES * ROWS * pid, TILES * ROWS * (pid + 1))``: each
+    program walks ``TILES`` consecutive tiles of ``ROWS`` blocks (many blocks per program:
+    the signs, the constants and the program's start-up are paid once per ``TILES * ROWS``
+    blocks, and the grid stays small), one pass over the gradient and the error per tile.
+
+    Bytes moved per gradient element (B = 256; ``g`` fp32, bf16 in brackets): read ``g`` 4
+    [2] and the int8 error 1 (+4/B for its scale); write the codes bits/8 (0.5 at 4 bits,
+    0.25 at 2), the new int8 error 1 (+4/B), the scale 4/B and three fp32 sums 12/B: about
+    6.6 [4.6] bytes at 4 bits, where a device copy of the fp32 gradient moves 8, so the
+    kernel is memory-bound by design (the NaN rule's select of the new error, outside the
+    kernel, adds 3 bytes: read both errors, write one). Without error feedback: 4.6 [2.6].
+
+    ``EVEN`` (set by the launcher when every row is whole blocks, ``row_numel % B == 0``):
+    block space *is* the buffer, so the gradient's offsets are the tile's own, contiguous
+    per block, with no per-element row arithmetic or padding mask (vectorised loads); else
+    each block finds its row and zero-pads past the row's end. Offsets are int64."""
+    for t in range(TILES):
+        _compress_tile(tl.program_id(0).to(tl.int64) * TILES + t, g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr,
+                       new_err_ptr, new_err_s_ptr, stats_ptr, signs_ptr, numel, num_blocks, row_numel, row_blocks,
+                       beta, alpha, rot_scale, key, BITS, B, LOG_B, ROWS, HAS_ERR, UNIFORM, MSE, ROTATE, STOCHASTIC,
+                       NO_FMA, EVEN)
+
+
+@triton.jit
+def _compress_tile(tile, g_ptr, err_ptr, err_s_ptr, codes_ptr, scales_ptr, new_err_ptr, new_err_s_ptr,
+                   stats_ptr, signs_ptr, numel, num_blocks, row_numel, row_blocks, beta, alpha, rot_scale, key,
+                   BITS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, ROWS: tl.constexpr,
+                   HAS_ERR: tl.constexpr, UNIFORM: tl.constexpr, MSE: tl.constexpr, ROTATE: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, NO_FMA: tl.constexpr, EVEN: tl.constexpr):
+    """One tile of :func:`_compress_kernel` (``tile``: its index, ``ROWS`` blocks)."""
     K: tl.constexpr = 8 // BITS
     BK: tl.constexpr = B // K
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     TOP: tl.constexpr = (1 << (BITS - 1)) if UNIFORM else QMAX  # quantize.top_level
     LO: tl.constexpr = -TOP if UNIFORM else -QMAX  # quantize.code_range
-    rows, offs = J.tile(tl.program_id(0), ROWS, K, BK)
+    rows, offs = J.tile(tile, ROWS, K, BK)
     row_ok = rows < num_blocks
     plane = tl.arange(0, K)
     col = tl.arange(0, BK)
     idx = plane[None, :, None] * BK + col[None, None, :]  # element index within its block
-    # Block space is row-major over the buffer's rows, each padded to whole blocks: block
-    # i holds elements [c0, c0 + B) of row i // row_blocks, zero past the row's end.
-    in_row = (rows % row_blocks) * B
-    pos = in_row[:, None, None] + offs - rows[:, None, None] * B
-    g_offs = (rows // row_blocks)[:, None, None] * row_numel + pos
-    in_buf = row_ok[:, None, None] & (pos < row_numel) & (g_offs < numel)
-    g = tl.load(g_ptr + g_offs, mask=in_buf, other=0.0).to(tl.float32)
+    if EVEN:  # whole blocks only: a block is wholly inside the buffer or wholly past it
+        g = tl.load(g_ptr + offs, mask=(row_ok & (rows * B < numel))[:, None, None], other=0.0).to(tl.float32)
+    else:
+        # Block space is row-major over the buffer's rows, each padded to whole blocks: block
+        # i holds elements [c0, c0 + B) of row i // row_blocks, zero past the row's end.
+        in_row = (rows % row_blocks) * B
+        pos = in_row[:, None, None] + offs - rows[:, None, None] * B
+        g_offs = (rows // row_blocks)[:, None, None] * row_numel + pos
+        in_buf = row_ok[:, None, None] & (pos < row_numel) & (g_offs < numel)
+        g = tl.load(g_ptr + g_offs, mask=in_buf, other=0.0).to(tl.float32)
     if ROTATE:  # the step runs in the rotated domain: h = R(g) + e (compressor._compensate)
         d = tl.load(signs_ptr + tl.arange(0, B))
         g = tl.reshape(J.rotate(tl.reshape(g, (ROWS, B)), d, rot_scale, ROWS, B, LOG_B, False, NO_FMA),
                        (ROWS, K, BK))
-    ok3 = row_ok[:, None, None] & (offs >= 0)
+    ok3 = row_ok[:, None, None]  # per block: constant along the block, so loads stay vectorised
     if HAS_ERR:
         e8 = tl.load(err_ptr + offs, mask=ok3, other=0).to(tl.float32)
         es = tl.load(err_s_ptr + rows, mask=row_ok, other=0.0)
