@@ -39,6 +39,7 @@ from loco_megatron.checkpoint import agreed_save, fsdp_dtensor, torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
 from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
                                            iter_dir, read_json, recover_latest, sha256, write_durably, write_sidecar)
+from loco_megatron.checkpoint.load_notes import announce
 from loco_megatron.checkpoint.model_shape import shape_difference
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
@@ -372,6 +373,8 @@ class Checkpointer:
             iteration = torch_dist.load(path, stateful, self.layout_key, self.log)
         else:
             iteration = self._load_rank_file(path, stateful)
+        # Resets and take-overs each rank's hooks decided alone: agreed, said once by rank 0.
+        announce(stateful.values(), self.log)
         self.timings.append({"ckpt/load_s": time.perf_counter() - t0, "ckpt/iteration": iteration})
         return iteration
 

@@ -83,7 +83,11 @@ class GradSyncHook:
         self.loco, self.stats, self.clock = loco, stats, stats.clock
         self.ops = ops
         """The collectives this hook issues (the TP replica average issues its own through them too)."""
-        self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
+        self.load_notes: list[str] = []
+        """What loading a checkpoint reset or took over on this rank (one line each); the
+        checkpoint loader gathers every rank's and prints each once, naming the ranks
+        (:mod:`loco_megatron.checkpoint.load_notes`): this rank alone may not fit."""
+        self._log = log or self.load_notes.append
         self.iteration = 0
         """Optimizer step being computed; set by the trainer (drives --loco-warmup-iters)."""
         self.compressors: dict[str, LoCoCompressor] = {}

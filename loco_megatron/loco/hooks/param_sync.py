@@ -72,13 +72,18 @@ class _GroupWork:
 class ParamGatherHook:
     """Compressed (or counted) parameter all-gather for every bucket group of ``ddp_models``;
     wraps ``optimizer.step``. Checkpointable (the agreed/main spare shards). ``ops``: the
-    collectives it issues; ``log``: one line (rank 0 prints by default)."""
+    collectives it issues; ``log``: gets each line a checkpoint load has to say (default: kept
+    in ``load_notes``, which the loader announces once for all ranks)."""
 
     def __init__(self, ddp_models: list, optimizer, loco: LoCoConfig, stats: CommStats,
                  ops: CollectiveOps = TORCH_OPS, log: Optional[Callable[[str], None]] = None):
         check_megatron_core_version()
         self.bits, self.stats, self._ops = loco.param_gather_bits, stats, ops
-        self._log = log or (lambda msg: print(msg, flush=True) if dist.get_rank() == 0 else None)
+        self.load_notes: list[str] = []
+        """What loading a checkpoint reset or took over on this rank (one line each); the
+        checkpoint loader gathers every rank's and prints each once, naming the ranks
+        (:mod:`loco_megatron.checkpoint.load_notes`): this rank alone may not fit."""
+        self._log = log or self.load_notes.append
         self.shards: dict[str, AgreedShard] = {}
         self._layouts: dict[str, DeltaLayout] = {}
         self._buckets: dict[str, object] = {}
