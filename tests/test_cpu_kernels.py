@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import TINY, torchrun, train_losses
+from loco_helpers import resolve_kernels
 from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco.collectives import ShardLayout, decompress_into
 from loco_megatron.loco.compressor import LoCoCompressor
-from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line, resolve_kernels
+from loco_megatron.loco.kernel_choice import choose_kernels, kernels_line
 from test_triton_kernels import _inputs
 
 
