@@ -42,7 +42,7 @@ from loco_megatron.config.loco import LoCoConfig  # noqa: E402
 from loco_megatron.loco import quantize as qz  # noqa: E402
 from loco_megatron.loco.collectives import ShardLayout  # noqa: E402
 from loco_megatron.loco.compressor import LoCoCompressor  # noqa: E402
-from loco_megatron.loco.kernel_choice import decompressor, resolve_kernels  # noqa: E402
+from loco_megatron.loco.kernel_choice import choose_kernels, decompressor  # noqa: E402
 from loco_megatron.loco.workspace import Workspace  # noqa: E402
 
 
@@ -324,8 +324,8 @@ def main() -> None:
     cfg = LoCoConfig(loco_bits=args.bits)  # the options a run of --loco-bits N uses by default (2 bits: not plain)
     opts = qz.QuantOptions(cfg.loco_quantizer, cfg.loco_scale, cfg.loco_rotation, cfg.loco_rounding)
     try:
-        kernels = resolve_kernels(args.kernels, device.type, os.environ.get("TRITON_INTERPRET") == "1",
-                                  args.bits, 256, 8, True, options=opts.non_default())
+        kernels, _ = choose_kernels(args.kernels, device.type, os.environ.get("TRITON_INTERPRET") == "1",
+                                    args.bits, 256, 8, True, options=opts.non_default())
         threads = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [None]
     except ValueError as e:
         sys.exit(f"error: {e}")

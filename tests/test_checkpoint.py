@@ -1,7 +1,6 @@
 """torch_dist checkpoints: resharding across layouts, data position, LoCo state, async save,
 crash before commit, corrupt shards, model-shape mismatch."""
 
-import pathlib
 
 import pytest
 import torch

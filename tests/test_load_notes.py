@@ -6,7 +6,7 @@ import os
 import torch.distributed as dist
 
 from loco_megatron.checkpoint.load_notes import announce, describe_ranks
-from test_collectives import _free_port, _spawn  # noqa: F401 - tests/ is on the path
+from test_collectives import _spawn  # tests/ is on the path
 
 
 class _Hook:

@@ -9,7 +9,6 @@ for overlap, checkpoint and resume.
 """
 
 import json
-import math
 import re
 
 import pytest

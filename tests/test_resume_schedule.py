@@ -2,7 +2,6 @@
 (or are refused in favour of the checkpoint's) as documented in loco_megatron.training.schedule,
 with one line naming what differs."""
 
-import json
 import os
 import subprocess
 import sys
