@@ -17,9 +17,11 @@ COMMANDS = [
     "sudo python benchmarks/speed.py --out results/speed_diloco_2x2 --iters 64 --topologies 2x2 \\",
     "    --links 100mbit --variants bf16,dl0,dl4,dls4,dlnone",
     "python benchmarks/quality.py --out results/quality_diloco_r2 --ranks 2 --iters 1024 --model small \\",
-    "    --variants fp32,dl0-h32,dl4-h32,dl4n-h32,dl2-h32,dl2n-h32,dl0-h16,dl4-h16,dl2-h16 --seeds 1234,1235",
+    "    --variants fp32,dl0-h32,dl4-h32,dl4n-h32,dl2-h32,dl2n-h32 --seeds 1234,1235",
     "python benchmarks/quality.py --out results/quality_diloco_r4 --ranks 4 --iters 1024 --model small \\",
-    "    --variants fp32,dl0-h32,dl4-h32,dl2-h32 --seeds 1234,1235",
+    "    --variants fp32,dl0-h32,dl4-h32,dl2-h32 --seeds 1234",
+    "for i in 2 3; do sudo python benchmarks/speed.py --out results/speed_diloco_rerun$i --iters 64 \\",
+    "    --topologies 2x1 --links 100mbit --variants dl4,dlnone; done",
     "python benchmarks/report.py --results results --sections diloco",
 ]
 
@@ -69,11 +71,29 @@ def speed_lines(speed_md: str) -> list[str]:
         line += f"; mean step {dl4[5]}x the same replicas' without outer exchanges"
         if "100mbit" in heading and step is not None:
             line += f" (target <= 1.2x at 100 Mbit/s: {'met' if step <= 1.2 else 'missed'})"
-        fp32 = rows.get("DiLoCo H=32, fp32 outer")
-        if fp32:
-            line += f"; fp32 outer: {fp32[4]}x the bytes, mean step {fp32[5]}x"
+        for label, name in (("DiLoCo H=32, fp32 outer", "fp32 outer"),
+                            ("Streaming DiLoCo H=32 F=4 tau=2, LoCo 4-bit outer", "Streaming F=4 tau=2, 4-bit"),
+                            ("DiLoCo H=32, LoCo 2-bit outer", "2-bit outer")):
+            row = rows.get(label)
+            if row:
+                line += f"; {name}: {row[4]}x the bytes, mean step {row[5]}x"
         out.append(line + ".")
     return out
+
+
+def rerun_line(reruns: list[str]) -> list[str]:
+    """The 4-bit DiLoCo / no-exchange step ratio of each rerun of that pair (the spread a
+    loaded machine puts on one such ratio)."""
+    ratios = []
+    for md in reruns:
+        for heading, table in _groups(md):
+            row = _table(table, "DiLoCo run").get("DiLoCo H=32, LoCo 4-bit outer")
+            if row:
+                ratios.append((heading, row[5]))
+    if not ratios:
+        return []
+    return [f"- {ratios[0][0]}, the same two runs again ({len(ratios)} more times): DiLoCo H=32 with LoCo 4-bit "
+            f"outer gradients, mean step {', '.join(r for _, r in ratios)}x the no-exchange run's."]
 
 
 def _means(md: str) -> dict[str, tuple[float, float | None]]:
@@ -120,8 +140,10 @@ def measured(res: pathlib.Path) -> list[str]:
     speeds = [p for p in (res / "speed_diloco" / "speed.md", res / "speed_diloco_2x2" / "speed.md") if p.is_file()]
     qualities = [(res / f"quality_diloco_r{r}" / "quality.md", r) for r in (2, 4)]
     out: list[str] = []
+    reruns = sorted(res.glob("speed_diloco_rerun*/speed.md"))
     for speed in speeds:
         out += speed_lines(speed.read_text())
+    out += rerun_line([p.read_text() for p in reruns])
     if speeds:
         out.append("")
     for path, r in qualities:
