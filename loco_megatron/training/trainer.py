@@ -285,7 +285,7 @@ def _loop(run: _Run) -> dict:
                 break
         if run.outer is not None:  # no outer exchange outlives the run (a save also settles them)
             run.outer.settle()
-        if state.iteration == totals.start_iteration:  # resumed at --train-iters: nothing trained, nothing to save
+        if totals.start_iteration == config.train.train_iters:  # resumed at --train-iters: nothing to train or save
             _print_rank0(layout, f"nothing to train: resumed at iteration {state.iteration}, which is --train-iters")
         elif ckpt.save_root and not _save_due(config, state.iteration):
             _save(run, window)
