@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from loco_megatron.checkpoint import files
+from loco_megatron.loco.hooks.version import check_megatron_core_version
 
 
 class SaveFailed(Exception):
@@ -50,6 +51,9 @@ def save(folder: pathlib.Path, build: Callable[[], dict], async_save: bool, flag
     complete the metadata). ``start_writer``: starts megatron's writer machinery (local);
     ``common_filter``: the common state as compared across ranks. Raises
     :class:`SaveFailed` on every rank together (see the module docstring)."""
+    # megatron's save split into its steps, and a private strategy callback (_strategy):
+    # refuse versions whose internals were not checked.
+    check_megatron_core_version()
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
 

@@ -34,6 +34,8 @@ class BackgroundBuild:
         from loco_megatron.loco import cpu_kernels
 
         self._say, self._t0, self._done = say, time.monotonic(), False
+        # The folder is named by a hash of every source: found once, not at every poll.
+        self._built = cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK
         log = cpu_kernels.start_background_build() if start else None
         where = f"log: {log}" if log is not None else f"under way in {cpu_kernels.build_directory()}"
         # "first use only": one-time lines, as the corpus's (a run's other lines repeat exactly)
@@ -42,9 +44,7 @@ class BackgroundBuild:
 
     def poll(self) -> None:
         """One line, once, when the build has finished (a file test; no collective)."""
-        from loco_megatron.loco import cpu_kernels
-
-        if not self._done and not cpu_kernels.needs_build():
+        if not self._done and self._built.is_file():
             self._done = True
             self._say(f"LoCo: the C++ CPU kernels are built (first use only; {time.monotonic() - self._t0:.0f} s "
                       f"after the start); the next run uses them")
