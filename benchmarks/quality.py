@@ -18,9 +18,14 @@ two, the parameter all-gather) differs:
 
 The DiLoCo section (``--variants diloco``, with ``--ranks R``: R replicas of one rank each)
 compares DiLoCo's outer exchanges against ``fp32`` (every step, the DDP reference):
-``dl0-hH`` fp32 outer all-reduce every H inner steps, ``dl4-hH`` / ``dl2-hH`` LoCo 4-/2-bit
-outer gradients with error feedback (beta 0.8, int8 errors), ``dl4n-hH`` / ``dl2n-hH``
-the same without error feedback, for H = 16 and 32 (outer Nesterov lr 0.7, momentum 0.9).
+``dl0-hH`` fp32 outer all-reduce every H inner steps; ``dl4F-hH`` / ``dl2F-hH`` LoCo 4-/2-bit
+outer gradients in the form ``F`` (:data:`OUTER_FORMS`): none = error feedback with beta
+0.8 (int8 errors), ``c`` classic error feedback (beta 0), ``n`` none, ``g`` gain-corrected
+scales without error feedback, ``gc`` gain-corrected with classic error feedback; for
+H = 16 and 32 (outer Nesterov momentum 0.9, lr 0.7 unless swept). ``--outer-lrs`` runs
+every DiLoCo variant at each of several outer LRs and writes ``outer_lr.md``: the sweep,
+and each variant at its own tuned LR against fp32 outer at its tuned LR, as paired
+differences by seed (:mod:`paired`); ``--final-seeds`` adds seeds at the tuned LRs only.
 ``--model small`` (2 micro batches of 2 per rank at 2 ranks, global batch 8) makes the
 1,000-step runs this study needs affordable on a 2-core CPU.
 
@@ -39,6 +44,9 @@ seeds, gap to fp32) and ``loss_vs_tokens.png`` (mean eval loss over seeds) to --
     python benchmarks/quality.py --out results/quality2bit_long --iters 400 --variants fp32,loco2d,loco2
     python benchmarks/quality.py --out results/quality_diloco_r2 --ranks 2 --iters 1024 --model small \
         --variants diloco --seeds 1234,1235
+    python benchmarks/quality.py --out results/quality_outer_lr_r2 --ranks 2 --iters 1024 --model small \
+        --variants fp32,dl0-h32,dl4-h32,dl4c-h32,dl4n-h32,dl2-h32,dl2c-h32,dl2n-h32,dl2g-h32,dl2gc-h32 \
+        --outer-lrs 0.4,0.55,0.7,0.85,1.0 --seeds 1234,1235 --final-seeds 1236,1237
     python benchmarks/quality.py --smoke --out /tmp/q    # seconds-scale check
 """
 
@@ -56,6 +64,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 import compare_runs  # noqa: E402
+import paired  # noqa: E402  (benchmarks/, this script's folder)
 
 _OPTION_LETTERS = {"u": ("quantizer", "uniform"), "m": ("scale", "mse"), "h": ("rotation", "hadamard"),
                    "s": ("rounding", "stochastic")}
@@ -101,15 +110,22 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
     VARIANTS[f"loco2-{_letters}"] = (f"LoCo 2-bit{_suffix}", ["--loco-bits", "2", *_flags])
     VARIANTS[f"noef2-{_letters}"] = (f"2-bit, no error feedback{_suffix}",
                                      ["--loco-bits", "2", "--no-loco-error-feedback", *_flags])
+OUTER_FORMS = {
+    "": ("error feedback beta 0.8", []),
+    "c": ("classic error feedback (beta 0)", ["--diloco-outer-beta", "0"]),
+    "n": ("no error feedback", ["--no-diloco-outer-error-feedback"]),
+    "g": ("gain-corrected, no error feedback", ["--no-diloco-outer-error-feedback", "--diloco-outer-gain-correction"]),
+    "gc": ("gain-corrected, classic error feedback", ["--diloco-outer-beta", "0", "--diloco-outer-gain-correction"]),
+}
+"""DiLoCo's compressed outer exchange: variant suffix -> (label, flags)."""
 for _h in (16, 32):
-    for _bits, _ef in ((0, True), (4, True), (4, False), (2, True), (2, False)):
-        _name = f"dl{_bits}{'' if _ef else 'n'}-h{_h}"
-        _label = ("fp32 outer" if not _bits else
-                  f"LoCo {_bits}-bit outer" + ("" if _ef else ", no error feedback"))
-        # --diloco-replicas {ranks}: one replica per rank, filled in per run (see main()).
-        VARIANTS[_name] = (f"DiLoCo H={_h}, {_label}",
-                           ["--loco-bits", "0", "--diloco-replicas", "{ranks}", "--diloco-inner-steps", str(_h),
-                            "--diloco-outer-bits", str(_bits), *([] if _ef else ["--no-diloco-outer-error-feedback"])])
+    # --diloco-replicas {ranks}: one replica per rank, filled in per run (see main()).
+    _base = ["--loco-bits", "0", "--diloco-replicas", "{ranks}", "--diloco-inner-steps", str(_h)]
+    VARIANTS[f"dl0-h{_h}"] = (f"DiLoCo H={_h}, fp32 outer", [*_base, "--diloco-outer-bits", "0"])
+    for _bits in (4, 2):
+        for _form, (_label, _flags) in OUTER_FORMS.items():
+            VARIANTS[f"dl{_bits}{_form}-h{_h}"] = (f"DiLoCo H={_h}, LoCo {_bits}-bit outer, {_label}",
+                                                   [*_base, "--diloco-outer-bits", str(_bits), *_flags])
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)],
             "diloco": ["fp32", *(v for v in VARIANTS if v.startswith("dl"))]}
@@ -151,6 +167,37 @@ def _spread(values: list[float]) -> str:
     return f"{mean:.4f} ± {statistics.stdev(values):.4f}"
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s]
+    except ValueError:
+        sys.exit(f"error: {flag}: '{text}' is not a comma-separated list of integers")
+
+
+def _write_outer_lr(out: pathlib.Path, finals: dict, swept: list[str], ddp: list | None, args,
+                    seeds: list[int]) -> None:
+    """``outer_lr.md``: per H, the LR sweep and each variant at its tuned LR against fp32
+    outer at its tuned LR, paired by seed (:mod:`paired`), and the 2-bit forms against each other."""
+    labels = {v: VARIANTS[v][0].split(", ", 1)[1] for v in swept}
+    # (results["fp32"] holds its runs in the order of ``seeds``)
+    baseline = {s: r.evals[-1]["eval/lm_loss"] for r, s in zip(ddp, seeds)} if ddp else None
+    lines = [f"# Outer learning rate: {args.iters} steps, {args.ranks} replicas of one rank, final eval loss\n"]
+    for h in sorted({v.rsplit("-h", 1)[1] for v in swept}, key=int):
+        group = [v for v in swept if v.endswith(f"-h{h}")]
+        ref = f"dl0-h{h}"
+        lines += [f"## H={h}: mean over the sweep seeds at each outer LR (bold: the tuned LR)", "",
+                  *paired.lr_table(finals, group, labels), ""]
+        if ref in group:
+            lines += [f"## H={h}: each at its tuned LR, paired by seed against fp32 outer at its tuned LR", "",
+                      *paired.gap_table(finals, group, ref, labels, baseline, "data-parallel every step"), ""]
+        for a, b in ((f"dl2-h{h}", f"dl2n-h{h}"), (f"dl2c-h{h}", f"dl2n-h{h}"), (f"dl2g-h{h}", f"dl2n-h{h}")):
+            if a in group and b in group:
+                lines.append(f"- {paired.pair_line(finals, a, b, labels)}")
+        lines.append("")
+    (out / "outer_lr.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -167,6 +214,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the runs already finished in --out (same names, same --iters) instead of rerunning")
+    ap.add_argument("--outer-lrs", default=None,
+                    help="DiLoCo variants: run each at every one of these outer LRs (comma-separated) and write "
+                         "outer_lr.md: each variant at its tuned LR against fp32 outer, paired by seed")
+    ap.add_argument("--final-seeds", default="",
+                    help="with --outer-lrs: after the sweep over --seeds, run these seeds too, at each DiLoCo "
+                         "variant's tuned LR only (the tuned LR is chosen on --seeds alone)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 steps, one seed (fp32 vs LoCo 4-bit unless --variants)")
     args = ap.parse_args()
@@ -186,36 +239,65 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             sys.exit(f"error: --variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
+    seeds, final_seeds = _ints(args.seeds, "--seeds"), _ints(args.final_seeds, "--final-seeds")
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s]
+        lrs = [f"{float(x):g}" for x in args.outer_lrs.split(",") if x] if args.outer_lrs else []
     except ValueError:
-        sys.exit(f"error: --seeds: '{args.seeds}' is not a comma-separated list of integers")
+        sys.exit(f"error: --outer-lrs: '{args.outer_lrs}' is not a comma-separated list of numbers")
+    if final_seeds and not lrs:
+        sys.exit("error: --final-seeds needs --outer-lrs (they run at each variant's tuned outer LR)")
     out = pathlib.Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, list[compare_runs.Run]] = {v: [] for v in variants}
     t0 = time.time()
+
+    def one(v: str, seed: int, lr: str | None) -> compare_runs.Run:
+        name = f"{v}-lr{lr}_seed{seed}" if lr else f"{v}_seed{seed}"
+        print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
+        flags = [f.format(ranks=args.ranks) for f in VARIANTS[v][1]] + (["--diloco-outer-lr", lr] if lr else [])
+        return run(out, name, [*model, *flags, "--train-iters", str(args.iters), "--seed", str(seed)], args.timeout,
+                   args.ranks, args.reuse)
+
+    swept = [v for v in variants if v.startswith("dl")] if lrs else []
+    results: dict[str, list[compare_runs.Run]] = {v: [] for v in variants if v not in swept}
+    finals: dict[tuple[str, str], dict[int, float]] = {}
     for seed in seeds:
         for v in variants:
-            name = f"{v}_seed{seed}"
-            print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
-            flags = [f.format(ranks=args.ranks) for f in VARIANTS[v][1]]
-            results[v].append(run(out, name, [*model, *flags, "--train-iters", str(args.iters),
-                                              "--seed", str(seed)], args.timeout, args.ranks, args.reuse))
+            for lr in (lrs if v in swept else [None]):
+                r = one(v, seed, lr)
+                if lr:
+                    finals.setdefault((v, lr), {})[seed] = r.evals[-1]["eval/lm_loss"]
+                    results.setdefault(f"{v}-lr{lr}", []).append(r)
+                else:
+                    results[v].append(r)
+    for seed in final_seeds:
+        for v in variants:
+            lr = paired.tuned_lr(finals, v)[0] if v in swept else None
+            r = one(v, seed, lr)
+            if lr:
+                finals[v, lr][seed] = r.evals[-1]["eval/lm_loss"]
+                results[f"{v}-lr{lr}"].append(r)
+            else:
+                results[v].append(r)
+    if swept:
+        _write_outer_lr(out, finals, swept, results.get("fp32"), args, seeds + final_seeds)
+    labels = {**{v: VARIANTS[v][0] for v in VARIANTS},
+              **{f"{v}-lr{lr}": f"{VARIANTS[v][0]}, outer lr {lr}" for v, lr in finals}}
+    variants = list(results)
 
     def evals(r):
         return [e["eval/lm_loss"] for e in r.evals]
 
     ref = statistics.fmean(evals(r)[-1] for r in results[variants[0]])
-    lines = [f"# Loss parity: {args.iters} steps, seeds {', '.join(map(str, seeds))}, {args.ranks} ranks, "
+    lines = [f"# Loss parity: {args.iters} steps, seeds {', '.join(map(str, seeds + final_seeds))}, {args.ranks} ranks, "
              f"{results[variants[0]][0].train[-1]['train/tokens_seen']:,} tokens per run\n",
              f"| variant | final eval loss | best eval loss | gap to {variants[0]} (final) |", "|---|---|---|---|"]
     for v in variants:
         final = [evals(r)[-1] for r in results[v]]
         best = [min(evals(r)) for r in results[v]]
         gap = (statistics.fmean(final) - ref) / ref * 100
-        lines.append(f"| {VARIANTS[v][0]} | {_spread(final)} | {_spread(best)} | {gap:+.2f}% |")
+        lines.append(f"| {labels[v]} | {_spread(final)} | {_spread(best)} | {gap:+.2f}% |")
     md = "\n".join(lines) + "\n"
     (out / "quality.md").write_text(md)
     print(md)
@@ -233,7 +315,7 @@ def main() -> None:
         its = [e["iteration"] for e in runs[0].evals if e["iteration"] in tokens]
         mean = [statistics.fmean(next(e["eval/lm_loss"] for e in r.evals if e["iteration"] == it) for r in runs)
                 for it in its]
-        ax.plot([tokens[it] for it in its], mean, "o-", label=VARIANTS[v][0])
+        ax.plot([tokens[it] for it in its], mean, "o-", label=labels[v])
     ax.set(xlabel="tokens", ylabel=f"eval LM loss (mean of {len(seeds)} seeds)", title="Loss vs tokens")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -345,7 +345,8 @@ def test_report_diloco_verdicts_come_from_the_tables(tmp_path, monkeypatch):
 def test_diloco_study_variants_are_well_formed():
     """Guards against the DiLoCo rows of the studies running something else than their
     labels say: each speed row gives the replica count per node and H=32 (the no-exchange
-    row an H beyond any run), each quality row its H, outer width and error feedback."""
+    row an H beyond any run), each quality row its H, outer width, error feedback form
+    (beta 0.8, classic beta 0, none) and gain correction."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import quality
     import speed
@@ -360,4 +361,30 @@ def test_diloco_study_variants_are_well_formed():
         flags = quality.VARIANTS[key][1]
         bits, h = key[2], key.split("-h")[1]
         assert flags[flags.index("--diloco-outer-bits") + 1] == bits and flags[flags.index("--diloco-inner-steps") + 1] == h
-        assert ("--no-diloco-outer-error-feedback" in flags) == (key[3] == "n")
+        form = key[3:].split("-h")[0]
+        assert ("--no-diloco-outer-error-feedback" in flags) == (form in ("n", "g")), key
+        assert ("--diloco-outer-gain-correction" in flags) == form.startswith("g"), key
+        beta = flags[flags.index("--diloco-outer-beta") + 1] if "--diloco-outer-beta" in flags else None
+        assert (beta == "0") == (form in ("c", "gc")), key
+
+
+def test_paired_gaps_pick_the_tuned_lr_on_the_sweep_seeds_and_pair_by_seed():
+    """Guards against an outer-LR comparison that flatters a variant: the tuned LR must be
+    chosen on the seeds every LR ran (a seed run only at one LR must not decide it), a gap
+    must be the mean of per-seed differences (not the difference of means, nor against
+    another seed), and a gap inside the spread of those differences must be called a tie."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import paired
+
+    finals = {("a", "0.5"): {1: 4.0, 2: 4.2, 9: 1.0},  # seed 9 ran at 0.5 only: must not pick 0.5
+              ("a", "1"): {1: 3.9, 2: 4.1},
+              ("ref", "0.5"): {1: 3.8, 2: 4.0, 9: 3.0},
+              ("ref", "1"): {1: 3.9, 2: 4.1}}
+    assert paired.tuned_lr(finals, "a") == ("1", [1, 2])
+    assert paired.tuned_lr(finals, "ref") == ("0.5", [1, 2])
+    mean, sd, n = paired.paired(finals["a", "1"], finals["ref", "0.5"])
+    assert n == 2 and mean == pytest.approx((100 * 0.1 / 3.8 + 100 * 0.1 / 4.0) / 2)
+    assert sd == pytest.approx(abs(100 * 0.1 / 3.8 - 100 * 0.1 / 4.0) / 2 ** 0.5)
+    assert paired.verdict(0.1, 0.2).startswith("tie") and paired.verdict(0.3, 0.2) == "beyond the spread"
+    table = "\n".join(paired.gap_table(finals, ["ref", "a"], "ref", {}))
+    assert "| a (1) |" in table and "beyond the spread" in table

@@ -34,7 +34,12 @@ class DiLoCoConfig:
     """Compensate each outer gradient with the moving average of its past compression
     errors (int8 storage, --diloco-outer-beta). --no-diloco-outer-error-feedback is the ablation."""
     diloco_outer_beta: float = 0.8
-    """Moving-average factor of the outer compression error (LoCo's beta)."""
+    """Moving-average factor of the outer compression error (LoCo's beta; 0 is classic
+    error feedback: the whole remainder is sent with the next outer gradient)."""
+    diloco_outer_gain_correction: bool = False
+    """Refit each block's scale of the compressed outer exchange (both phases) so the
+    decoded outer gradient is not shrunk towards zero: ``<decoded, sent> = |sent|^2`` per
+    block. Costs no bytes; runs on LoCo's torch kernels."""
     diloco_fragments: int = 1
     """F: Streaming DiLoCo. The transformer layers are split into F fragments of
     consecutive layers (the embedding with the first, the output layer and final norm with

@@ -53,7 +53,7 @@ class OuterChannel:
                  error_feedback: bool = True, beta: float = 0.8, kernels: str = "torch",
                  device: Optional[torch.device] = None, name: str = "outer", ops: CollectiveOps = TORCH_OPS,
                  decompress: Optional[Callable] = None, workspace: Optional[Workspace] = None, clock=None,
-                 exact: bool = False):
+                 exact: bool = False, gain_correction: bool = False):
         if exact and bits:
             raise ValueError("exact (gather and sum in rank order) is an fp32 exchange: bits must be 0")
         self.numel, self.group, self.bits, self.name, self.exact = numel, group, bits, name, exact
@@ -80,7 +80,8 @@ class OuterChannel:
             return zlib.crc32(f"{name}/{phase}/rank{rank}".encode())
 
         common = dict(bits=bits, beta=beta, block_size=block_size, error_bits=8, reset_interval=0,
-                      error_feedback=error_feedback, device=device, kernels=kernels, options=options)
+                      error_feedback=error_feedback, device=device, kernels=kernels, options=options,
+                      gain_correction=gain_correction)
         self.comp1 = LoCoCompressor(**self.layout1.compressor_shape(), stream=stream("own"), **common)
         self.comp2 = LoCoCompressor(self.layout1.piece, stream=stream("mean"), **common)
 

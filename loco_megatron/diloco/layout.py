@@ -60,7 +60,8 @@ def describe(config: Config, world_size: int) -> str:
     inner_dp = config.data_parallel_size(world_size) // r
     p = config.parallel
     bits = (f"{d.diloco_outer_bits}-bit {'/'.join(config.loco.options_for(d.diloco_outer_bits).values())}"
-            f"{', error feedback' if d.diloco_outer_error_feedback else ', no error feedback'}"
+            f"{f', error feedback (beta {d.diloco_outer_beta})' if d.diloco_outer_error_feedback else ', no error feedback'}"
+            f"{', gain-corrected' if d.diloco_outer_gain_correction else ''}"
             if d.diloco_outer_bits else "fp32 all-reduce")
     stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
               if d.diloco_fragments > 1 or d.diloco_sync_delay else "")

@@ -52,7 +52,9 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     group = outer_group(d.diloco_replicas)
     names = {id(p): name for chunk in chunks for name, p in chunk.module.named_parameters()}
     layers = _layer_numbers(chunks)
-    kernels = lc.loco_kernels if lc.loco_kernels != "auto" else "torch"
+    # The outer exchange runs every H steps: LoCo's torch kernels unless others are asked
+    # for (the gain correction has torch kernels only).
+    kernels = lc.loco_kernels if lc.loco_kernels != "auto" and not d.diloco_outer_gain_correction else "torch"
     options = QuantOptions(**lc.options_for(d.diloco_outer_bits), seed=lc.loco_quant_seed)
     workspace = Workspace()
     channels = {}
@@ -72,7 +74,7 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
             channel = OuterChannel(views.numel, group, 0 if tied else d.diloco_outer_bits, lc.loco_block_size,
                                    options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels,
                                    views.views[0].device, name=key, ops=ops, workspace=workspace, clock=stats.clock,
-                                   exact=tied)
+                                   exact=tied, gain_correction=d.diloco_outer_gain_correction)
             channels[key] = (views, channel, i, f)
 
     def record(work) -> None:

@@ -18,7 +18,10 @@ Hadamard rotation: then the whole step runs in the rotated domain (``h = R(g) + 
 the error is stored rotated; ``R`` is linear, so this is the same algorithm on ``R(g)``)
 and the receiver unrotates the sum. Stochastic rounding draws its bits from
 ``(options.seed, stream, step)``: ``stream`` names the buffer and rank, ``step`` is
-checkpointed, so a resumed run rounds exactly as an uninterrupted one.
+checkpointed, so a resumed run rounds exactly as an uninterrupted one. The gain
+correction (``gain_correction``, torch kernels only; DiLoCo's outer exchange uses it)
+refits step 2's scales so that ``<D(q, s), h> = |h|^2`` per block
+(:func:`~.quantize.unbiased_scales_`), before step 3 reads them.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class LoCoCompressor:
                  error_bits: int = 8, reset_interval: int = 1024, error_feedback: bool = True,
                  device: Optional[torch.device] = None, kernels: str = "torch", rows: int = 1,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, options: Optional[qz.QuantOptions] = None,
-                 stream: int = 0):
+                 stream: int = 0, gain_correction: bool = False):
         if bits not in qz.SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {qz.SUPPORTED_BITS}, got {bits}")
         if not 0.0 <= beta < 1.0:
@@ -98,6 +101,8 @@ class LoCoCompressor:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
         if kernels not in ("torch", "triton", "cpu"):
             raise ValueError(f"kernels must be 'torch', 'triton' or 'cpu', got {kernels!r}")
+        if gain_correction and kernels != "torch":
+            raise ValueError(f"gain_correction is implemented by the torch kernels only, not {kernels!r}")
         if kernels != "torch" and error_feedback and error_bits != 8:
             raise ValueError(f"the {kernels} kernels store the error in int8 only (error_bits=8)")
         self.options = options or qz.DEFAULT_OPTIONS
@@ -112,6 +117,8 @@ class LoCoCompressor:
         if rows < 1 or chunk_elements < block_size:
             raise ValueError(f"rows must be >= 1 and chunk_elements >= block_size, got {rows}, {chunk_elements}")
         self.kernels = kernels
+        self.gain_correction = gain_correction
+        """Refit each block's scale so the decoded block is not shrunk (:func:`~.quantize.unbiased_scales_`)."""
         self.numel, self.bits, self.beta = numel, bits, beta
         self.block_size, self.error_bits = block_size, error_bits
         self.reset_interval, self.error_feedback = reset_interval, error_feedback
@@ -180,15 +187,15 @@ class LoCoCompressor:
         return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
 
     def workspace_nbytes(self) -> int:
-        """Scratch this compressor asks of its :class:`Workspace`: two fp32 chunks (torch),
-        or the int8 new error and its scales (the fused kernels; Triton adds 3 fp32 sums
-        per block)."""
+        """Scratch this compressor asks of its :class:`Workspace`: two fp32 chunks (torch; three
+        with the gain correction), or the int8 new error and its scales (the fused kernels;
+        Triton adds 3 fp32 sums per block)."""
         new_err = self.num_blocks * (self.block_size + 4) if self._err is not None else 0
         if self.kernels == "triton":
             return new_err + self.num_blocks * 12
         if self.kernels == "cpu":
             return new_err
-        return 2 * 4 * min(self.chunk_blocks, self.num_blocks) * self.block_size
+        return (3 if self.gain_correction else 2) * 4 * min(self.chunk_blocks, self.num_blocks) * self.block_size
 
     # -- the algorithm ---------------------------------------------------------------
     def _chunks(self) -> list[tuple[int, int, int, int]]:
@@ -286,6 +293,8 @@ class LoCoCompressor:
             noise = (qz.uniform_noise(b1 - b0, self.block_size, key, b0, dev)
                      if opts.rounding == "stochastic" else None)
             q = qz.levels_(h, s, self.bits, opts, out=work, noise=noise)
+            if self.gain_correction:  # before the residual: the error feedback sees the refit scale
+                qz.unbiased_scales_(h, q, s, ws.get("gain", (cb, self.block_size), dev)[: b1 - b0])
             codes[b0 * code_bytes:b1 * code_bytes] = qz.pack_codes(qz.level_codes(q, opts), self.bits)
             # 3. residual h - D(q), in place: work becomes the residual.
             resid = torch.addcmul(h, q, s.unsqueeze(1), value=-1.0, out=work)

@@ -261,6 +261,30 @@ def levels_(blocks: torch.Tensor, scales: torch.Tensor, bits: int, opts: QuantOp
     return out.clamp_(lo, hi).nan_to_num_(0.0)
 
 
+def unbiased_scales_(blocks: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor,
+                     work: torch.Tensor) -> torch.Tensor:
+    """Gain correction: refit each block's scale, in place, to ``s' = |x|^2 / <q, x>`` so
+    that the decoded block ``D = q * s'`` projects onto the input with the input's own
+    length, ``<D, x> = |x|^2``. Returns ``scales``.
+
+    ``blocks``: fp32 ``[n, B]`` inputs ``x`` (rotated, when the quantiser rotates: the
+    rotation is orthogonal, so the inner products are the same); ``levels``: their float
+    levels ``q`` (:func:`levels_`); ``scales``: fp32 ``[n]``, signed for the uniform grid
+    (``s'`` takes the sign of ``<q, x>``, which is the sign of ``s``); ``work``: fp32
+    scratch of the blocks' shape. Why: a nearest-rounding grid with a clipped (``mse``)
+    scale, or a 2-bit grid with a zero level, shrinks towards zero, ``<D, x> < |x|^2``
+    (about 0.86 x per pass at 2 bits with the mse scale on Gaussian or heavy-tailed
+    blocks): used as an outer gradient that is a smaller step, i.e. a lower learning
+    rate. The refit costs no bytes (the scale is sent anyway) and leaves the codes alone.
+    ``<q, x> >= 0`` term by term (a level never has the opposite sign of its input, under
+    nearest or stochastic rounding), so it is 0 only where every level is 0: those blocks
+    keep their scale (they decode to 0 either way). A non-finite block stays non-finite."""
+    dot = tree_sum_(torch.mul(levels, blocks, out=work)).clone()
+    norm2 = tree_sum_(torch.mul(blocks, blocks, out=work))
+    # ``norm2 / dot`` where dot != 0 (NaN != 0, so a NaN block keeps a NaN scale).
+    return torch.where(dot != 0, norm2 / dot, scales, out=scales)
+
+
 def level_codes(levels: torch.Tensor, opts: QuantOptions) -> torch.Tensor:
     """int8 signed codes of float levels (exact: levels are integers)."""
     return levels.to(torch.int8)
