@@ -24,6 +24,39 @@ class ParallelLayout:
     pp_rank: int
     pp_size: int
     tp_rank: int
+    replicas: int = 1
+    """DiLoCo replicas (contiguous blocks of data-parallel ranks; 1 without DiLoCo)."""
+
+    @property
+    def replica(self) -> int:
+        """This rank's DiLoCo replica."""
+        return self.dp_rank // self.inner_dp_size
+
+    @property
+    def inner_dp_size(self) -> int:
+        """Data-parallel ranks inside one replica."""
+        return self.dp_size // self.replicas
+
+    @property
+    def inner_dp_rank(self) -> int:
+        return self.dp_rank % self.inner_dp_size
+
+    def replica_group(self):
+        """Every rank of this rank's replica (None: the world, without DiLoCo): the group of
+        the per-step agreements and metrics, which must not cross between replicas."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_intra_distributed_optimizer_instance_group() if self.replicas > 1 else None
+
+    def inner_dp_group(self):
+        """The data-parallel ranks of this rank's replica (the whole data-parallel group
+        without DiLoCo)."""
+        from megatron.core import parallel_state as ps
+
+        if self.replicas == 1:
+            return ps.get_data_parallel_group()
+        # (megatron keeps the partial groups with context parallelism only; CP is 1 here)
+        return ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
 
     @property
     def is_first_stage(self) -> bool:
@@ -79,7 +112,7 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), replicas=max(replicas, 1),
     )
 
 

@@ -106,9 +106,10 @@ def test_streaming_collectives_in_the_same_order_on_every_rank(cache_dir, tmp_pa
     for comm in seen:
         seqs = [[(op, n) for g, op, n in logs[r] if tuple(g) == comm] for r in comm]
         assert all(s == seqs[0] for s in seqs), comm
-    # 2 fragments synced at 2, 4, 6, 8: 4 exchanges, two phases (all-to-all, all-gather) each.
+    # 2 fragments synced at 2, 4, 6, 8, and the final outer step at 9 over both: 6
+    # exchanges, two phases (all-to-all, all-gather) each.
     ops = [op for g, op, n in logs[0] if tuple(g) == (0, 2)]
-    assert ops == ["all_to_all", "all_gather"] * 4, ops
+    assert ops == ["all_to_all", "all_gather"] * 6, ops
 
 
 @pytest.mark.parametrize("argv, line", [

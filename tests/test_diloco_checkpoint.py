@@ -52,7 +52,7 @@ def _outer_step(params: list, log: list, start: int = 0):
         channels[f"opt0.fragment{f}"] = (views, OuterChannel(views.numel, None, 4, 256, QuantOptions(
             **LoCoConfig().options_for(4)), name=f"f{f}"), 0, f)
     return OuterStep(channels, FragmentSchedule(4, 2, 1), 0.7, 0.9, 0.5, lambda update: update(0),
-                     lambda work: None, lambda work: None, lambda: None, log.append)
+                     lambda work: None, lambda: None, log.append)
 
 
 def _inner(params: list, t: int) -> None:
@@ -185,7 +185,9 @@ def test_mid_interval_resume_is_bit_exact(saves, tmp_path):
         (out_a, ref), (out_b, resumed) = saves[f"{fmt}_ref"], saves[f"{fmt}_same"]
         a, b = train_losses(ref), train_losses(resumed)
         assert sorted(b) == [5, 6] and all(a[i] == b[i] for i in b), (fmt, a, b)
-        assert "re-seeded" not in out_b and "DiLoCo:" not in out_b.replace("DiLoCo: 2 replicas of", ""), out_b[-2000:]
+        notes = [ln for ln in out_b.splitlines() if "DiLoCo:" in ln and not
+                 ln.startswith(("DiLoCo: 2 replicas of", "DiLoCo: final outer step at iteration 6"))]
+        assert "re-seeded" not in out_b and not notes, out_b[-2000:]
     saved = torch.load(root / "torch" / "iter_0000004" / "rank_00000.pt", weights_only=False)["diloco"]
     assert list(saved["per_rank"]["pending"]) == ["opt0.fragment1"], saved["per_rank"]["pending"]
     assert saved["per_rank"]["exchange"]["opt0.fragment0"]["comp1"]["error"].any()
@@ -221,8 +223,8 @@ def reshards(saves, cache_dir, tmp_path_factory) -> dict:
 
 def _one_reset_line(out: str, *parts: str) -> None:
     """Exactly one line says what started afresh (the DiLoCo start-up line aside), naming ``parts``."""
-    lines = [line for line in out.splitlines()
-             if "re-seeded" in line or ("DiLoCo:" in line and "replicas of" not in line)]
+    lines = [line for line in out.splitlines() if "re-seeded" in line or (
+        "DiLoCo:" in line and "replicas of" not in line and not line.startswith("DiLoCo: final outer step"))]
     assert len(lines) == 1 and RESET in lines[0] and all(p in lines[0] for p in parts), lines
 
 
@@ -269,10 +271,12 @@ def test_diloco_and_plain_checkpoints_load_into_each_other(saves, reshards):
     """Guards against a checkpoint of a run without DiLoCo failing to load under DiLoCo
     (no outer state to read) or leaving the replicas on different weights, and a DiLoCo
     checkpoint failing to load without DiLoCo: the plain checkpoint gives every replica its
-    model (first loss equal to the plain run's within rounding; replicas agree after the
-    outer step at 6); the DiLoCo one gives the plain run replica 0's; each says so in one line."""
+    model (replicas agree after the outer step at 6; the first loss, replica 0's on its half
+    of the global batch, is the plain run's whole-batch loss up to that sampling: well
+    within a quarter of what 4 steps of training took off, which fresh weights would
+    undo); the DiLoCo one gives the plain run replica 0's; each says so in one line."""
     a, b = train_losses(saves["plain_ref"][1]), train_losses(reshards["from_plain"][1])
-    assert sorted(b) == [5, 6] and b[5] == pytest.approx(a[5], rel=RESHARD_RTOL), (a, b)
+    assert sorted(b) == [5, 6] and abs(b[5] - a[5]) < 0.25 * (a[1] - a[5]), (a, b)
     _one_reset_line(reshards["from_plain"][0], "the checkpoint has no outer state")
     _identical_after_outer_steps(reshards["from_plain"][0], [6])
     a, b = train_losses(saves["fp32_ref"][1]), train_losses(reshards["without"][1])

@@ -56,7 +56,7 @@ def _outer_run(rank: int, tau: int, alpha: float) -> list:
     channels = {f"opt0.fragment{f}": (ShardViews(params[f]), OuterChannel(
         sum(SIZES[f]), None, 0, name=f"f{f}"), 0, f) for f in range(F)}
     outer = OuterStep(channels, FragmentSchedule(H, F, tau), LR, MU, alpha, lambda update: update(0),
-                      lambda work: None, lambda work: None, lambda: None, print)
+                      lambda work: None, lambda: None, print)
     trace = []
     for t in range(1, STEPS + 1):
         for f, sizes in enumerate(SIZES):
@@ -65,7 +65,10 @@ def _outer_run(rank: int, tau: int, alpha: float) -> list:
         outer.after_step(t)
         trace.append((t, [[p.clone() for p in ps] for ps in params],
                       [outer.agreed[f"opt0.fragment{f}"].clone() for f in range(F)]))
-    return trace
+    before = [[p.clone() for p in ps] for ps in params]
+    outer.finish(STEPS)
+    assert all(torch.equal(p, q) for ps, qs in zip(params, before) for p, q in zip(ps, qs))  # local untouched
+    return trace, [outer.final[f"opt0.fragment{f}"].clone() for f in range(F)]
 
 
 def _worker(rank, port, queue, collected):
@@ -129,7 +132,25 @@ def _reference(tau: int, alpha: float) -> list:
                 for p, part in zip(locals_[r][f], flat.split(list(SIZES[f]))):
                     p.copy_(part)
         trace.append([[[p.clone() for p in ps] for ps in locals_[r]] for r in range(R)])
-    return trace, agreed
+    # The run's final outer step: the exchange in flight applied (local mixed), then one
+    # more outer step over what the replicas trained since.
+    final = []
+    for f in range(F):
+        a, m = agreed[f].clone(), momentum[f].clone()
+        locs = [torch.cat(locals_[r][f]) for r in range(R)]
+        g = pending.pop((f, STEPS + tau), None) if tau else None
+        if g is not None:
+            m = MU * m + g
+            a = a - LR * (g + MU * m)
+            locs = [alpha * loc + (1 - alpha) * a for loc in locs]
+        o = (f + 1) * H // F
+        if g is None and tau == 0 and (STEPS - o) % H == 0:  # synced at STEPS itself: local == agreed
+            final.append(a)
+            continue
+        g = torch.stack([a - loc for loc in locs]).mean(0)
+        m = MU * m + g
+        final.append(a - LR * (g + MU * m))
+    return trace, agreed, final
 
 
 def test_outer_exchange_and_step_on_three_ranks():
@@ -142,7 +163,10 @@ def test_outer_exchange_and_step_on_three_ranks():
     that is not DiLoCo: against the plain-torch reference, with two fragments, a delay of
     one step and alpha 0.5, every rank's parameters and agreed parameters match at every
     step; with tau 0 and alpha 0 the replicas hold bit-identical parameters after every
-    outer step."""
+    outer step; (f) the run's final outer step (``finish``) is the reference's (the
+    exchange in flight applied, then one more outer step over what was trained since),
+    identical on every replica, skipped for a fragment that synced at the last step, and
+    leaves the local parameters as they were (the checkpoint's resumable state)."""
     res = _results()
     truth = torch.stack([torch.randn(NUMEL, generator=torch.Generator().manual_seed(r)) for r in range(R)]).mean(0)
     for bits in (0, 4, 2):
@@ -160,19 +184,26 @@ def test_outer_exchange_and_step_on_three_ranks():
         rows = -(-NUMEL // R)
         blocks = -(-rows // 256)
         assert sent == (R - 1) * 2 * (blocks * 256 * bits // 8 + 4 * blocks), (bits, sent)
-    ref_trace, ref_agreed = _reference(TAU, ALPHA)
+    ref_trace, ref_agreed, ref_final = _reference(TAU, ALPHA)
     for r in range(R):
-        trace = res[r][1]
+        trace, final = res[r][1]
         for (t, locals_, agreed), ref in zip(trace, ref_trace):
             for f in range(F):
                 for p, q in zip(locals_[f], ref[r][f]):
                     assert torch.allclose(p, q, atol=1e-5, rtol=0), (r, t, f)
         for f in range(F):
             assert torch.allclose(trace[-1][2][f], ref_agreed[f], atol=1e-5, rtol=0), (r, f)
+            assert torch.allclose(final[f], ref_final[f], atol=1e-5, rtol=0), (r, f)
+            assert torch.equal(final[f], res[0][1][1][f]), (r, f)  # every replica ends on the same bits
+            # the tau 0 run: fragment 0 synced at STEPS (no final exchange), fragment 1 takes one
+            assert torch.equal(res[r][2][1][f], res[0][2][1][f]), (r, f)
+    assert torch.equal(res[0][2][1][0], res[0][2][0][-1][2][0])
+    assert not torch.equal(res[0][2][1][1], res[0][2][0][-1][2][1])
     outer_steps = {t for t in range(1, STEPS + 1) for f in range(F) if t >= (f + 1) * H // F
                    and (t - (f + 1) * H // F) % H == 0}
     for t in sorted(outer_steps):
         for r in range(1, R):
             synced = [f for f in range(F) if t >= (f + 1) * H // F and (t - (f + 1) * H // F) % H == 0]
             for f in synced:
-                assert all(torch.equal(a, b) for a, b in zip(res[0][2][t - 1][1][f], res[r][2][t - 1][1][f])), (t, r)
+                assert all(torch.equal(a, b) for a, b in zip(res[0][2][0][t - 1][1][f],
+                                                             res[r][2][0][t - 1][1][f])), (t, r)

@@ -15,6 +15,12 @@ A checkpoint written with ``--diloco-replicas R`` holds
   main parameters are (:mod:`.dist_optimizer`), by replica 0 only; so they reshard over
   TP, PP, inner DP and the replica count. The schedule and the outer-step count are
   common state;
+* in the checkpoint of a run's last step (``--train-iters`` or a stop), the model every
+  replica ends on, after the final outer step
+  (:meth:`~loco_megatron.diloco.outer.OuterStep.finish`): ``diloco.final.<model key>``,
+  in the same form. The Hugging Face export and generation read it (else
+  ``diloco.agreed``); a resume reads the rest, which is the state before that final
+  step, so it continues exactly as a run that never stopped;
 * per rank, under the layout tag (:data:`.torch_dist.PER_RANK`): the outer error buffers
   and the settled means of the exchanges in flight.
 
@@ -97,8 +103,9 @@ def _number_inside_replica(model_sd: dict) -> None:
 
 def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, momentum: bool,
                        per_rank=None) -> dict:
-    """The outer step's torch_dist state: (saving) its common state, ``agreed`` and (when
-    ``momentum``) ``momentum``: per channel, the blocks of this rank's shards in model space
+    """The outer step's torch_dist state: (saving) its common state, ``agreed``, (when
+    ``momentum``) ``momentum`` and (saving, once set) ``final``: per channel, the blocks
+    of this rank's shards in model space
     (a copy: an --async-save writer may read them while training goes on; loading: empty
     buffers), written by replica 0 (``replica``: this rank's); ``per_rank``: the
     ShardedObject of :meth:`~loco_megatron.diloco.outer.OuterStep.per_rank_state_dict`
@@ -107,7 +114,10 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
 
     meta = _model_meta(model_sd)
     out = {} if is_loading else outer.common_state()
-    for name in ("agreed", "momentum") if momentum else ("agreed",):
+    names = ["agreed", *(["momentum"] if momentum else []),
+             # the run's last step: the model every replica ends on (exports read it; a resume does not)
+             *(["final"] if not is_loading and outer.final is not None else [])]
+    for name in names:
         out[name] = {}
         for key, (views, *_rest) in outer.channels.items():
             flat = (torch.empty(views.numel, dtype=torch.float32) if is_loading

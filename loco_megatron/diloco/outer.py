@@ -75,17 +75,16 @@ class OuterStep:
     index, fragment index), in the order every rank of an outer group builds them.
     ``run_step(update)``: runs ``update(sub_optimizer_index)`` inside megatron's optimizer
     step (every rank, same iterations). ``record(work)``: the exchange's figures for the
-    metrics, once it completed; ``record_start(work)`` its bytes, at launch; ``every_step()``
-    is called after every step (the metrics' every-step reference). ``log``: one line
-    (rank 0 prints)."""
+    metrics (its time and bytes), once it completed, which is where its mean is applied
+    (or kept for a checkpoint, or for the final model); ``every_step()`` is called after
+    every step (the metrics' every-step reference). ``log``: one line (rank 0 prints)."""
 
     def __init__(self, channels: dict, schedule: FragmentSchedule, lr: float, momentum: float, alpha: float,
                  run_step: Callable[[Callable[[int], None]], None], record: Callable[[OuterWork], None],
-                 record_start: Callable[[OuterWork], None], every_step: Callable[[], None],
-                 log: Callable[[str], None]):
+                 every_step: Callable[[], None], log: Callable[[str], None]):
         self.channels, self.schedule = channels, schedule
         self.lr, self.mu, self.alpha = lr, momentum, alpha
-        self._run_step, self._record, self._record_start, self._log = run_step, record, record_start, log
+        self._run_step, self._record, self._log = run_step, record, log
         self._every_step = every_step
         self.agreed = {key: torch.empty(views.numel, dtype=torch.float32, device=views.views[0].device)
                        for key, (views, *_rest) in channels.items()}
@@ -99,10 +98,17 @@ class OuterStep:
         """Channels whose mean was not finite (zeroed), since the last :meth:`take_nonfinite`."""
         self.outer_steps = 0
         """Outer updates applied (all channels of one iteration count once)."""
+        self.final: Optional[dict[str, torch.Tensor]] = None
+        """After :meth:`finish`: per channel, the agreed parameters after the run's final
+        outer step (fp32 ``[N]``), which a checkpoint writes as ``diloco.final``."""
 
     # -- the per-step driver -------------------------------------------------------------
     def _keys(self, fragments: list[int], sub: Optional[int] = None) -> list[str]:
         return [k for k, (_, _, s, f) in self.channels.items() if f in fragments and (sub is None or s == sub)]
+
+    def steps_at(self, t: int) -> bool:
+        """Whether iteration ``t`` applies an outer step (the schedule alone decides)."""
+        return bool(self.schedule.applies(t) if self.schedule.delay else self.schedule.starts(t))
 
     def after_step(self, t: int) -> None:
         """Everything the schedule puts after the inner step of iteration ``t``."""
@@ -136,20 +142,11 @@ class OuterStep:
         views, channel, _, _ = self.channels[key]
         delta = torch.empty(views.numel, dtype=torch.float32, device=self.agreed[key].device)
         views.outer_gradient(self.agreed[key], delta)
-        work = channel.start(delta)
-        self._record_start(work)
-        self.pending[key] = (t, work)
+        self.pending[key] = (t, channel.start(delta))
 
     def _apply(self, key: str) -> None:
-        _, work = self.pending.pop(key)
-        if isinstance(work, OuterWork):
-            work.wait()
-            self._record(work)
-            mean, finite = work.delta, work.finite
-        else:  # settled before a checkpoint, or loaded from one
-            mean, finite = work, torch.isfinite(work).all()
-        torch.where(finite, mean, torch.zeros((), device=mean.device), out=mean)
-        self.nonfinite += (~finite).float()
+        mean = self._settled_mean(key)
+        del self.pending[key]
         nesterov_step(self.agreed[key], self.momentum[key], mean, self.lr, self.mu)
         self.channels[key][0].take(self.agreed[key], self.alpha)
 
@@ -161,6 +158,77 @@ class OuterStep:
                 work.wait()
                 self._record(work)
                 self.pending[key] = (t, work.delta)
+
+    # -- the end of a run ----------------------------------------------------------------
+    def finish(self, t: int) -> dict:
+        """The last step ``t`` of a run (every rank, the same step; collective over the
+        outer groups): the agreed parameters every replica ends on, into :attr:`final`,
+        leaving the resumable state (agreed, momentum, local parameters, exchanges in
+        flight) untouched, so a run resumed from this step's checkpoint continues exactly
+        as one that never stopped.
+
+        Per channel, on copies of the agreed parameters and the momentum: an exchange in
+        flight is finished and applied (as at its apply step, the local parameters mixed
+        with alpha), then a final outer step over what the replicas trained since their
+        last sync, ``delta = agreed' - local'`` (exchanged as every outer gradient, error
+        buffers and all). A fragment that synced at ``t`` itself with alpha 0 (its local
+        parameters are the agreed ones, bit for bit) takes none. Channels one at a time:
+        the scratch is one channel's three fp32 copies. Returns ``{"exchanged": fragments
+        that took a final exchange, "in_flight": exchanges in flight applied}``."""
+        sched = self.schedule
+        synced = set(sched.applies(t) if sched.delay else sched.starts(t)) if self.alpha == 0.0 else set()
+        self.final = {}
+        self.settle()
+        resumable = dict(self.pending)  # the settled means a checkpoint of this step keeps
+        exchanged = set()
+        for key, (views, channel, _, f) in self.channels.items():
+            agreed = self.agreed[key].clone()
+            in_flight = key in resumable
+            if f in synced and not in_flight:
+                self.final[key] = agreed
+                continue
+            momentum = self.momentum[key].clone() if self.momentum[key] is not None else None
+            if in_flight:
+                nesterov_step(agreed, momentum, self._settled_mean(key), self.lr, self.mu)
+            delta = torch.empty_like(agreed)
+            views.outer_gradient(agreed, delta)  # agreed' - local
+            if in_flight:  # local' = alpha local + (1 - alpha) agreed'  =>  agreed' - local' = alpha (agreed' - local)
+                delta.mul_(self.alpha)
+            self.pending[key] = (t, channel.start(delta))
+            nesterov_step(agreed, momentum, self._settled_mean(key), self.lr, self.mu)
+            self.final[key] = agreed
+            exchanged.add(f)
+        self.pending = resumable
+        return {"exchanged": sorted(exchanged), "in_flight": len(resumable)}
+
+    def _settled_mean(self, key: str) -> torch.Tensor:
+        """A new tensor: the mean of ``key``'s exchange in flight (finished here if it is
+        not yet; :attr:`pending` then holds its mean, as after :meth:`settle`), zero where
+        not finite (counted in :attr:`nonfinite`): the agreed parameters then move by
+        momentum only and no NaN reaches another replica."""
+        t, work = self.pending[key]
+        if isinstance(work, OuterWork):
+            work.wait()
+            self._record(work)
+            mean, finite = work.delta, work.finite
+            self.pending[key] = (t, mean)
+        else:  # settled before a checkpoint, or loaded from one
+            mean, finite = work, torch.isfinite(work).all()
+        self.nonfinite += (~finite).float()
+        return torch.where(finite, mean, torch.zeros((), device=mean.device))
+
+    def take_final(self) -> None:
+        """Every replica takes :attr:`final` as its parameters (after the checkpoint, which
+        keeps the local ones, was written): a megatron optimizer step, so the model's
+        weights and every rank of the replica get them."""
+        assert self.final is not None, "finish() first"
+
+        def update(sub: int) -> None:
+            for key, (views, _, s, _) in self.channels.items():
+                if s == sub:
+                    views.take(self.final[key], 0.0)
+
+        self._run_step(update)
 
     def take_nonfinite(self) -> torch.Tensor:
         out, self.nonfinite = self.nonfinite, torch.zeros_like(self.nonfinite)
@@ -187,10 +255,12 @@ class OuterStep:
     def state_dict(self) -> dict:
         """Everything, per rank (--ckpt-format torch): :meth:`common_state`, ``agreed`` and
         ``momentum`` (channel key -> fp32 ``[N]``; momentum None with --diloco-outer-momentum
-        0) and ``per_rank`` (:meth:`per_rank_state_dict`)."""
+        0), ``per_rank`` (:meth:`per_rank_state_dict`) and, at the end of a run, ``final``
+        (:attr:`final`, for exports; a resume does not read it)."""
         return {**self.common_state(), "agreed": {key: a.clone() for key, a in self.agreed.items()},
                 "momentum": {key: m.clone() for key, m in self.momentum.items()} if self.mu else None,
-                "per_rank": self.per_rank_state_dict()}
+                "per_rank": self.per_rank_state_dict(),
+                **({"final": {key: a.clone() for key, a in self.final.items()}} if self.final is not None else {})}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """Restore :meth:`state_dict`'s dict. ``None`` (the checkpoint holds no outer state:

@@ -77,18 +77,16 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
                                    exact=tied, gain_correction=d.diloco_outer_gain_correction)
             channels[key] = (views, channel, i, f)
 
-    def record(work) -> None:
+    def record(work) -> None:  # once per exchange, when it completed (see OuterStep)
         stats.add_interval("outer_time", work.launch_mark, work.done_mark)
         for start, end in work.exposed_marks:
             stats.add_interval("outer_exposed", start, end)
         work.exposed_marks = []
-
-    def record_start(work) -> None:
         stats.add_outer_bytes(work.bytes_sent, work.c.uncompressed_bytes())
 
     # Without DiLoCo the replicas would all-reduce every step: bf16, half the fp32 ring's bytes.
     every_step = sum(ch.uncompressed_bytes() for _, ch, _, _ in channels.values()) // 2
     return OuterStep(channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay),
                      d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_mixing_factor,
-                     lambda update: run_in_optimizer_step(optimizer, update), record, record_start,
+                     lambda update: run_in_optimizer_step(optimizer, update), record,
                      lambda: stats.add_outer_reference(every_step), log)

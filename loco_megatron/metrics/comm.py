@@ -8,8 +8,9 @@ Clocks: on CPU a mark is ``time.perf_counter()`` (wall-clock at launch and at
 completion of the work handle). On CUDA a mark is an event recorded on the current
 stream, so an interval is what that stream saw: for ``exposed`` (marks around
 ``wait()``) exactly the stall of the compute stream; for ``total`` (launch to the
-mark after ``wait()``) an upper bound of the collective's duration. Events are only
-resolved in :meth:`take`, after the optimizer step has synchronised anyway.
+mark after ``wait()``) an upper bound of the collective's duration. Intervals are kept
+until :meth:`take_seconds`, which the trainer calls once per log interval: resolving an
+event waits for the device to reach it, so that wait happens there and never every step.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ class CommStats:
     def __init__(self, clock=None):
         self.clock = clock or WallClock()
         self._param_sums: Optional[torch.Tensor] = None
+        self._intervals: list[tuple[str, object, object]] = []
         self._reset()
 
     def _reset(self) -> None:
-        self._intervals: list[tuple[str, object, object]] = []
         self.grad_bytes_sent = 0
         """Payload bytes handed to gradient collectives (codes + scales)."""
         self.grad_bytes_uncompressed = 0
@@ -121,14 +122,20 @@ class CommStats:
         """fp32 ``[4]`` device sums ``(sum e^2, sum (h-D(q))^2, sum h^2, numel)`` of one bucket."""
         self._loco_sums = sums.clone() if self._loco_sums is None else self._loco_sums + sums
 
-    def take(self) -> tuple[dict[str, float], Optional[torch.Tensor]]:
-        """This step's ``comm/...`` figures and LoCo sums (or None); then start afresh."""
+    def take_seconds(self) -> dict[str, float]:
+        """``comm/<kind>_s`` summed over every interval recorded since the last call (on
+        CUDA this waits for the last event: call it once per log interval)."""
         secs = dict.fromkeys(KINDS, 0.0)
         for kind, start, end in self._intervals:
             secs[kind] += self.clock.seconds(start, end)
+        self._intervals = []
+        return {f"comm/{k}_s": v for k, v in secs.items()}
+
+    def take(self) -> tuple[dict[str, float], Optional[torch.Tensor]]:
+        """This step's ``comm/...`` byte figures and LoCo sums (or None), host values the
+        hooks counted (no device wait); then start afresh. The seconds: :meth:`take_seconds`."""
         raw = self.grad_bytes_uncompressed
-        out = {f"comm/{k}_s": v for k, v in secs.items()}
-        out.update({
+        out = {
             "comm/grad_bytes_sent": float(self.grad_bytes_sent),
             "comm/grad_bytes_uncompressed": float(raw),
             "comm/compression_ratio": self.grad_bytes_sent / raw if raw else 1.0,
@@ -140,7 +147,7 @@ class CommStats:
             "comm/outer_bytes_sent": float(self.outer_bytes_sent),
             "comm/outer_bytes_uncompressed": float(self.outer_bytes_uncompressed),
             "comm/outer_bytes_bf16_every_step": float(self.outer_bytes_bf16_every_step),
-        })
+        }
         sums = self._loco_sums
         self._reset()
         return out, sums

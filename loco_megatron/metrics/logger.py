@@ -127,6 +127,11 @@ class MetricsLogger:
                 parts.append(f"comm {m['comm/grad_sync_total_s'] * 1e3:.1f}ms "
                              f"(exposed {m['comm/grad_sync_exposed_s'] * 1e3:.1f}ms, "
                              f"x{m['comm/compression_ratio']:.3f} bytes)")
+            if m.get("diloco/window_outer_steps"):  # DiLoCo: this line's window applied outer step(s)
+                n = int(m["diloco/window_outer_steps"])
+                parts.append(f"outer step{'' if n == 1 else f's x{n}'} {m['diloco/outer_step_bytes_sent'] / 2**20:.2f} "
+                             f"MiB/rank (exposed {m['diloco/outer_step_exposed_s'] * 1e3:.1f}ms"
+                             f"{'' if n == 1 else ' each'})")
             if total:
                 parts.append(f"ETA {_fmt_eta((total - it) * m['train/step_s'])}")
             if m.get("train/skipped_iters"):

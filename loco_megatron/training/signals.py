@@ -11,6 +11,10 @@ The same all-reduce carries whether the torchrun agent that started the rank is 
 parent: when the agent dies (``kill -9``, an OOM kill) nothing supervises the ranks any
 more (no restart, no shutdown of a failed group), so they stop at the same step, save it
 and leave with an error instead of training on under init.
+
+Under DiLoCo that all-reduce runs inside each replica only (``group``: the replica's
+ranks), so no step waits on the link between sites; the replicas agree on a stop at their
+outer steps (:mod:`loco_megatron.diloco.flags`), carrying :meth:`StopRequest.wish`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from loco_megatron.diloco.flags import ABORT_REPLICA, AGENT_LOST, SIGNUM, STOP_FILE, STOP_REPLICA
+from loco_megatron.training.health import RunAborted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -44,6 +51,7 @@ class StopRequest:
         """Once agreed: the line saying the agent is gone (the run must end non-zero)."""
         self.signum = 0
         self._previous: dict = {}
+        self._wish = [0, 0, 0]
 
     def _handler(self, signum, frame) -> None:
         self.signum = signum  # flag only: the loop acts on it at the end of the step
@@ -68,22 +76,53 @@ class StopRequest:
                        flush=True)
             self.stop_file.unlink(missing_ok=True)
 
-    def agreed(self, device: torch.device, skipped: bool = False) -> tuple[Optional[str], bool]:
-        """Collective (every rank, every step): the reason to stop now (or None), and whether
-        any rank's optimizer skipped this step (``skipped``: this rank's; under DiLoCo each
-        replica decides its own, and the skip guard must end every rank's run together)."""
+    def agreed(self, device: torch.device, skipped: bool = False, group=None) -> tuple[Optional[str], bool]:
+        """Collective over ``group`` (None: the world; every rank of it, every step): the
+        reason to stop now (or None), and whether any rank's optimizer skipped this step
+        (``skipped``: this rank's). The group's answer is also kept as :meth:`wish` (what
+        this replica asks of the others at the next outer step)."""
         file_seen = bool(self.is_rank0 and self.stop_file and self.stop_file.exists())
         lost = bool(self.launcher_pid and os.getppid() != self.launcher_pid)  # reparented: the agent died
         flags = torch.tensor([float(self.signum), float(file_seen), float(skipped), float(lost)], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         signum, file_flag, skipped_any, lost_any = (int(v) for v in flags.tolist())
+        # Latched: a stop wish stays until the stop happens (under DiLoCo, at an outer step).
+        self._wish = [max(a, b) for a, b in zip(self._wish, (signum, file_flag, lost_any))]
+        return self.reason(*self._wish), bool(skipped_any)
+
+    def wish(self) -> list[int]:
+        """``[signal number, stop file seen, agent lost]`` agreed inside the group so far (0: no)."""
+        return list(self._wish)
+
+    def reason(self, signum: int, file_flag: int, lost_any: int) -> Optional[str]:
+        """The stop reason of agreed flags (None: no stop); sets :attr:`orphaned` when an
+        agent is gone."""
         if lost_any:
-            self.orphaned = (f"the torchrun agent (pid {self.launcher_pid}) exited and nothing supervises the "
-                             f"ranks any more: stopped")
-            return f"torchrun agent pid {self.launcher_pid} exited", bool(skipped_any)
+            who = (f"the torchrun agent (pid {self.launcher_pid})" if self.launcher_pid and self._wish[2]
+                   else "a torchrun agent (of another replica)")
+            self.orphaned = f"{who} exited and nothing supervises the ranks any more: stopped"
+            return f"{who} exited"
         if not (signum or file_flag):
-            return None, bool(skipped_any)
-        if file_seen:
-            self.stop_file.unlink(missing_ok=True)  # honoured: must not stop the next run too
-        return (f"{signal.Signals(signum).name} received" if signum else f"stop file {self.stop_file}",
-                bool(skipped_any))
+            return None
+        return f"{signal.Signals(signum).name} received" if signum else f"stop file {self.stop_file}"
+
+    def honour(self) -> None:
+        """The stop happens now: a stop file this rank saw is removed, so that the next job
+        does not stop after one step."""
+        if self.is_rank0 and self.stop_file and self._wish[1]:
+            self.stop_file.unlink(missing_ok=True)
+
+
+def decide(agreed: list[int], stop: StopRequest, own_abort: Optional[str], replicas: int) -> Optional[str]:
+    """The stop reason from flags every rank agreed on (:mod:`loco_megatron.diloco.flags`),
+    None to go on; raises RunAborted (the same on every rank) when a replica's skip guard
+    gave up (``own_abort``: this replica's line, if it was this one)."""
+    if agreed[ABORT_REPLICA]:
+        raise RunAborted(own_abort or f"--max-skipped-consecutive: replica {agreed[ABORT_REPLICA] - 1} skipped "
+                                      f"too many consecutive steps for NaN/Inf gradients; every replica stops "
+                                      f"without saving, earlier checkpoints are kept")
+    reason = stop.reason(agreed[SIGNUM], agreed[STOP_FILE], agreed[AGENT_LOST])
+    if reason is None:
+        return None
+    stop.honour()
+    return f"{reason} on replica {agreed[STOP_REPLICA] - 1}" if replicas > 1 else reason

@@ -1,0 +1,62 @@
+"""The end of a run (--train-iters, or a stop every rank agreed on): under DiLoCo the final
+outer step, so every replica ends on the agreed model; the last save; under DiLoCo the
+evaluation of the agreed model; the end-of-run summary.
+
+Every rank arrives here at the same iteration, so the collectives that cross between
+replicas here (the last flag exchange, the final outer exchanges, the save, the summary)
+line up on every rank."""
+
+from __future__ import annotations
+
+from loco_megatron.training.after_step import eval_due, run_eval, save, save_due
+from loco_megatron.training.console import say
+from loco_megatron.training.health import RunAborted
+from loco_megatron.training.signals import StopRequest, decide
+from loco_megatron.training.summary import RunTotals, end_summary
+
+
+def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopRequest) -> dict:
+    """Returns rank 0's last logged metrics; RunAborted when a replica's skip guard gave up
+    (nothing saved) or the torchrun agent is gone (saved first)."""
+    config, layout, state, ckpt = run.config, run.layout, run.state, run.ckpt
+    if totals.start_iteration == config.train.train_iters:  # resumed at --train-iters: nothing to train or save
+        say(layout, f"nothing to train: resumed at iteration {state.iteration}, which is --train-iters")
+    else:
+        if run.outer is not None:
+            # A replica's abort or stop that no outer step carried yet: known to all now.
+            agreed = run.flags.final(run.flags.flags(stop.wish(), run.guard.abort is not None))
+            decide(agreed, stop, run.guard.abort, layout.replicas)
+            final_outer_step(run, totals)
+        if ckpt.save_root and (run.outer is not None or not save_due(config, state.iteration)):
+            save(run, window)
+        ckpt.wait()  # the last (or stop-requested) save is committed before exit
+        if run.outer is not None:  # (after the save, which keeps the local parameters for a resume)
+            run.outer.take_final()
+            if eval_due(config, state.iteration):
+                evaluated = run_eval(config, run.chunks, run.valid_ds, layout, run.device, state, run.logger)
+                totals.note(state.iteration, evaluated)
+                last.update(evaluated)
+    for timing in ckpt.take_timings():
+        run.logger.log(state.iteration, timing)
+    summary = totals.across_ranks(state, run.device, run.env.started_at)  # collective: every rank
+    if layout.is_logging_rank:
+        print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
+        run.logger.summary(state.iteration, summary)
+    if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
+        raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
+    return last
+
+
+def final_outer_step(run, totals: RunTotals) -> None:
+    """DiLoCo's final outer step (:meth:`~loco_megatron.diloco.outer.OuterStep.finish`),
+    its bytes counted in the summary, and one line saying what it did."""
+    t = run.state.iteration
+    done = run.outer.finish(t)
+    comm, _ = run.comm_stats.take()
+    totals.add_step(comm)
+    what = (f"exchanged fragment(s) {', '.join(map(str, done['exchanged']))}" if done["exchanged"]
+            else "every fragment had just synced, nothing to exchange")
+    applied = f", applied {done['in_flight']} exchange(s) in flight" if done["in_flight"] else ""
+    sent = f", {comm['comm/outer_bytes_sent'] / 2**20:.2f} MiB sent by rank 0" if done["exchanged"] else ""
+    say(run.layout, f"DiLoCo: final outer step at iteration {t}: {what}{applied}{sent}; every replica takes the "
+                    f"agreed parameters (saved as diloco.final, which the export reads)")
