@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import time
@@ -145,35 +146,32 @@ def _topology(spec: str) -> tuple[int, int]:
 
 
 def run_one(out: pathlib.Path, name: str, nodes: int, ranks: int, link: str, delay: str | None,
-            args: list[str], timeout: float) -> tuple[pathlib.Path, float | None]:
+            args: list[str], timeout: float) -> tuple[pathlib.Path, dict | None]:
     """Train once on a fresh simulated cluster; returns the metrics file and the measured
-    inter-node wire bytes per rank per step after the first log window (None on 1 node)."""
+    inter-node wire bytes per rank per step (``{"wire", "store", "other"}``, None on 1 node):
+    read by ``benchmarks/wire_probe.py`` after steps a quarter and three quarters into the
+    run, so neither the start-up nor the end of the run (DiLoCo's final outer step) counts."""
     metrics = out / "runs" / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     logs = out / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
+    probes = logs / "probe"
+    shutil.rmtree(probes, ignore_errors=True)
+    probes.mkdir()
     rate = None if link == "none" else link
-    mark: dict = {}
-
-    def first_window_done():
-        # Interface counters once the first log window is written: start-up traffic
-        # (rendezvous, parameter broadcast) stays out of the per-step figure.
-        if "it" not in mark and metrics.exists():
-            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-            done = [r["iteration"] for r in rows if "train/lm_loss" in r]
-            if done:
-                mark.update(it=done[0], tx=cluster.tx_bytes())
-
+    iters = int(args[args.index("--train-iters") + 1])
+    a, b = iters // 4, 3 * iters // 4
+    port = 29555
     with SimCluster(nodes, rate=rate, delay=delay if rate else None) as cluster:
-        cluster.run_torchrun(["pretrain_gpt.py", *args, "--metrics-jsonl", str(metrics)], ranks, timeout,
-                             env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, log_dir=logs,
-                             on_poll=first_window_done)
-        end_tx = cluster.tx_bytes()
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    last = max(r["iteration"] for r in rows if "train/lm_loss" in r)
-    if nodes == 1 or "it" not in mark or last <= mark["it"]:
+        cluster.run_torchrun(["benchmarks/wire_probe.py", *args, "--metrics-jsonl", str(metrics)], ranks, timeout,
+                             env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "LOCO_WIRE_PROBE": f"{a},{b}",
+                                  "LOCO_WIRE_PROBE_OUT": str(probes), "LOCO_WIRE_STORE_PORT": str(port)},
+                             log_dir=logs, port=port)
+    if nodes == 1 or b <= a:
         return metrics, None
-    return metrics, (end_tx - mark["tx"]) / (nodes * ranks) / (last - mark["it"])
+    marks = [json.loads(p.read_text()) for p in sorted(probes.glob("node*.json"))]
+    per = nodes * ranks * (b - a)
+    return metrics, {k: sum(m["b"][k] - m["a"][k] for m in marks) / per for k in ("tx", "store", "other")}
 
 
 def _finished(out: pathlib.Path, name: str, iters: int) -> tuple[pathlib.Path, float | None] | None:
@@ -185,7 +183,8 @@ def _finished(out: pathlib.Path, name: str, iters: int) -> tuple[pathlib.Path, f
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     if max((r.get("iteration", 0) for r in rows if "train/lm_loss" in r), default=0) != iters:
         return None
-    return metrics, json.loads(wire.read_text())["wire_bytes_per_step"]
+    measured = json.loads(wire.read_text())["wire_bytes_per_step"]
+    return metrics, measured if isinstance(measured, dict) or measured is None else None  # (an older format: rerun)
 
 
 def table(groups: dict, baseline: str = "bf16") -> str:
@@ -226,27 +225,34 @@ def table(groups: dict, baseline: str = "bf16") -> str:
 
 
 def diloco_lines(rows: list[dict]) -> list[str]:
-    """The DiLoCo rows of one group against bf16 every step (bytes between the nodes, i.e.
-    the replicas) and against the same replicas without outer exchanges (mean step time,
-    which, unlike the median, carries the outer steps)."""
+    """The DiLoCo rows of one group: measured wire bytes between the nodes (the replicas)
+    per rank per step against a bf16 ring all-reduce between the replicas at every step
+    (``2 (R - 1) / R x N x 2`` bytes per rank, computed by the runs themselves, the measure
+    of the run summary: gloo's "bf16 reduce-scatter" row is an all-reduce plus a copy on
+    the wire, not that), what of those bytes the rendezvous store's connections carried,
+    and the mean step time against the same replicas without outer exchanges (the mean,
+    unlike the median, carries the outer steps)."""
     by = {r["key"]: r for r in rows}
     dl = [r for r in rows if r["key"] in DILOCO]
     if not dl:
         return []
+    ring = next((r["outer_bf16_every_step"] for r in dl if r.get("outer_bf16_every_step")), None)
     out = ["", "| DiLoCo run | mean step (s) | outer bytes / rank / step | outer time / step (ms), exposed "
-               "| measured wire bytes to other nodes / rank / step | wire bytes vs bf16 every step "
-               "| mean step vs no outer exchange |", "|---|---|---|---|---|---|---|"]
-    ref = by.get("bf16") or by.get("fp32")
+               "| measured wire bytes to other nodes / rank / step | of them the rendezvous store's "
+               "| wire bytes vs a bf16 ring all-reduce every step | mean step vs no outer exchange |",
+           "|---|---|---|---|---|---|---|---|"]
     none = by.get("dlnone")
     for r in [x for x in (by.get("bf16"), by.get("fp32"), by.get("loco4")) if x] + dl:
-        wire = r.get("wire_bytes_per_step")
-        vs_ref = f"{wire / ref['wire_bytes_per_step']:.4f}" if wire and ref and ref.get("wire_bytes_per_step") else "n/a"
+        wire, store = r.get("wire_bytes_per_step"), r.get("store_bytes_per_step")
+        vs_ring = f"{wire / ring:.4f}" if wire is not None and ring else "n/a"
         vs_none = f"{r['mean_step_s'] / none['mean_step_s']:.2f}" if none else "n/a"
+        cells = [f"{wire:,.0f}", f"{store:,.0f}"] if wire is not None else ["n/a", "n/a"]
         out.append(f"| {r['label']} | {r['mean_step_s']:.3f} | {r['outer_bytes_per_step']:,.0f} "
-                   f"| {r['outer_time_s'] * 1e3:.1f}, {r['outer_exposed_s'] * 1e3:.1f} "
-                   f"| {wire:,.0f} | {vs_ref} | {vs_none} |" if wire is not None else
-                   f"| {r['label']} | {r['mean_step_s']:.3f} | {r['outer_bytes_per_step']:,.0f} "
-                   f"| {r['outer_time_s'] * 1e3:.1f}, {r['outer_exposed_s'] * 1e3:.1f} | n/a | n/a | {vs_none} |")
+                   f"| {r['outer_time_s'] * 1e3:.1f}, {r['outer_exposed_s'] * 1e3:.1f} | {' | '.join(cells)} "
+                   f"| {vs_ring} | {vs_none} |")
+    if ring:
+        out.append(f"\nA bf16 ring all-reduce of the gradients between the replicas at every step: "
+                   f"{ring:,.0f} bytes per rank per step (computed).")
     return out
 
 
@@ -325,9 +331,12 @@ def main() -> None:
                     (out / "runs" / f"{name}.wire.json").write_text(json.dumps({"wire_bytes_per_step": wire}))
                 run = compare_runs.load_run(str(path))
                 run.label = label
-                rows.append({"key": v, **compare_runs.summarize(run), "wire_bytes_per_step": wire})
+                rows.append({"key": v, **compare_runs.summarize(run),
+                             "wire_bytes_per_step": wire["tx"] if wire else None,
+                             "store_bytes_per_step": wire["store"] if wire else None,
+                             "gloo_bytes_per_step": wire["other"] if wire else None})
                 if wire is not None:
-                    wire_bytes[f"{name} ({label})"] = wire
+                    wire_bytes[f"{name} ({label})"] = wire["tx"]
                 files.append(str(path))
             groups[(topo, link)] = rows
             compare_runs.compare(files, str(out / "plots" / f"{topo}_{link}"), [r["label"] for r in rows])

@@ -86,13 +86,15 @@ def generate_ids(model: Callable, prompt_ids: list[int], eod: int, vocab: int, c
 
 
 def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Optional[str] = None,
-             cache_home: pathlib.Path = pathlib.Path.home() / ".cache", offline: bool = False) -> Generated:
+             cache_home: pathlib.Path = pathlib.Path.home() / ".cache", offline: bool = False,
+             replica: Optional[int] = None) -> Generated:
     """Continue ``prompt`` with the model saved in ``load`` (a SAVE root or an ``iter_N``
-    folder), tokenised by the run's tokenizer (``tokenizer_model``, default the one its run
+    folder; of a DiLoCo checkpoint the agreed model, or ``replica``'s own:
+    :func:`~loco_megatron.export.reader.model_source`), tokenised by the run's tokenizer (``tokenizer_model``, default the one its run
     config names or the built-in corpus's; ``offline``: HF_HUB_OFFLINE, a hub name is read
     from the hub cache only). Raises ConfigError (one line) on bad input."""
     from loco_megatron.data.tokenizer import load_tokenizer
-    from loco_megatron.export.reader import (embedding_rows, loaded_model, read_run_config,
+    from loco_megatron.export.reader import (embedding_rows, loaded_model, model_source, read_run_config,
                                              resolve_iteration_dir, single_rank_config)
     from loco_megatron.data.tokenizer import HUGGINGFACE
     from loco_megatron.export.writer import default_tokenizer_path
@@ -115,7 +117,7 @@ def generate(load: str, prompt: str, sampling: Sampling, tokenizer_model: Option
     if not prompt_ids:
         raise ConfigError("--prompt: empty (nothing to continue)")
     config = single_rank_config(saved)
-    with loaded_model(path, config, rows, ddp_prefix) as (model, _):
+    with loaded_model(path, config, rows, ddp_prefix, model_source(path, replica)[0]) as (model, _):
         new, at_eod = generate_ids(model, prompt_ids, tokenizer.eod, pieces, config.model.seq_length, sampling)
     # Detokenised after the prompt, not alone: a leading space or a multi-byte character split
     # across the boundary then comes out as in the whole text.

@@ -1,5 +1,6 @@
 """Benchmarks' --smoke modes run, so the scripts cannot rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -113,10 +114,14 @@ def test_quality_smoke(tmp_path, cache_dir):
 
 def test_speed_smoke(tmp_path, cache_dir):
     """Guards against the speed study breaking: on a 2-node simulated cluster with a
-    shaped link it trains bf16 and LoCo 4-bit and writes the table and plots, and LoCo
-    sends about a quarter of bf16's bytes."""
+    shaped link it trains bf16, LoCo 4-bit and DiLoCo replicas without an outer exchange
+    and writes the tables and plots; LoCo sends about a quarter of bf16's bytes; the
+    DiLoCo replicas' steps send next to nothing between the nodes (the link counters read
+    between two steps: under 1% of bf16's), and the DiLoCo table compares against the
+    computed bf16 ring all-reduce, not gloo's reduce-scatter."""
     _require_netns()
-    _run(["benchmarks/speed.py", "--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir])
+    _run(["benchmarks/speed.py", "--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir,
+          "--variants", "bf16,loco4,dlnone"])
     lines = (tmp_path / "speed.md").read_text().splitlines()
     assert "compute dtype" in lines[0]  # which dtype the probe picked is reported
     bf16 = next(l for l in lines if l.startswith("| bf16 reduce-scatter"))
@@ -124,6 +129,10 @@ def test_speed_smoke(tmp_path, cache_dir):
     sent = [float(row.split("|")[7].replace(",", "")) for row in (bf16, loco)]
     assert 0.2 < sent[1] / sent[0] < 0.3
     assert (tmp_path / "plots" / "2x1_1gbit" / "step_time.png").exists()
+    wire = {v: json.loads((tmp_path / "runs" / f"2x1_1gbit_{v}.wire.json").read_text())["wire_bytes_per_step"]
+            for v in ("bf16", "dlnone")}
+    assert wire["dlnone"]["tx"] < 0.01 * wire["bf16"]["tx"], wire
+    assert any(line.startswith("A bf16 ring all-reduce of the gradients between the replicas") for line in lines)
 
 
 def _require_netns():

@@ -182,3 +182,47 @@ def test_reduce_scatter_keeps_its_send_buffer_until_wait(monkeypatch):
     work.wait()
     gc.collect()
     assert sent[0]() is None
+
+
+def _code_gather_worker(rank, world, port, numel, queue, collected):
+    from loco_megatron.loco.collectives import CodeGather, decode_rows_into
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layout = ShardLayout(numel, world, 4, 256)  # rows of a flat buffer, the last one ragged
+        row_layout = ShardLayout(layout.piece, 1, 4, 256)
+        a, b = layout.row_range(rank)
+        comp = LoCoCompressor(row_layout.piece, bits=4, error_feedback=False)
+        row = torch.zeros(layout.piece)
+        row[: b - a] = torch.randn(b - a, generator=torch.Generator().manual_seed(rank))
+        codes, scales = comp.compress(row)
+        gather = CodeGather(codes, scales, world, None, async_op=True)
+        rows = gather.wait()
+        plain = [torch.empty(gather.row_bytes, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(plain, torch.cat([codes, scales.view(torch.uint8)]))
+        out = torch.full((numel,), float("nan"))
+        decode_rows_into(rows, layout, row_layout, out)
+        mine = dequantize_blockwise(codes, scales, 4, 256, layout.piece)[: b - a]
+        queue.put((rank, (rows.clone(), torch.stack(plain), out, mine, (a, b))))
+        collected.wait(timeout=120)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_code_gather_equals_plain_all_gather_and_rows_decode_into_place():
+    """Guards DiLoCo's phase 2 (the compressed mean rows' all-gather and decode) against
+    codes or scales mis-packed or mis-ordered in the gathered buffer, and a row decoded
+    into another row's place or its ragged tail dropped: on 3 gloo ranks the gathered rows
+    equal plain all_gather of each rank's packed codes and scales, byte for byte, and the
+    decoded buffer holds, at each rank's row range, exactly that rank's dequantised row,
+    with no element left unwritten, the same on every rank."""
+    out = _spawn(_code_gather_worker, 3, 1000)
+    for rank in range(3):
+        rows, plain, decoded, _, _ = out[rank]
+        assert torch.equal(rows, plain)
+        assert torch.equal(decoded, out[0][2]) and not decoded.isnan().any()
+        for r in range(3):
+            a, b = out[r][4]
+            assert torch.equal(decoded[a:b], out[r][3])

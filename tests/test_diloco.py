@@ -112,6 +112,34 @@ def test_streaming_collectives_in_the_same_order_on_every_rank(cache_dir, tmp_pa
     assert ops == ["all_to_all", "all_gather"] * 6, ops
 
 
+@pytest.mark.parametrize("extra, syncs", [
+    ([], {4, 8}),
+    # fragments start at 4 and 8, their second phase (the all-gather) one step later
+    (["--diloco-inner-steps", "8", "--diloco-fragments", "2", "--diloco-sync-delay", "1"], {4, 5, 8, 9}),
+    (["--diloco-inner-steps", "100"], set()),
+], ids=["h4", "streaming", "no-outer-step"])
+def test_no_collective_crosses_replicas_between_outer_steps(extra, syncs, cache_dir, tmp_path, monkeypatch):
+    """Guards against a step that waits on the link between sites: with 2 replicas of one
+    rank, every torch.distributed collective any code issues (megatron-core's, the
+    checkpointer's, ours) is recorded with the step that issued it; a collective that spans
+    both replicas may come only from a step where an outer exchange starts (which carries
+    the stop flags too) or runs its second phase, before the first step or at the end of
+    the run, never from the
+    others, with a log line and an evaluation every step or two (each of which used to
+    reduce over the whole world), and none at all in a run without an outer step
+    (the stop/health all-reduce used to cross at every step)."""
+    monkeypatch.setenv("LOCO_COLLECTIVE_LOG_DIR", str(tmp_path))
+    args = TINY + ["--train-iters", "9", "--diloco-replicas", "2", "--diloco-inner-steps", "4",
+                   "--diloco-outer-bits", "4", "--eval-interval", "2", "--eval-iters", "1", *extra]
+    torchrun(2, args, cache_dir, tmp_path, script="benchmarks/collective_log.py")
+    for rank in (0, 1):
+        log = json.loads((tmp_path / f"all_rank{rank}.json").read_text())
+        crossing = {phase for phase, ranks, _, _ in log if 0 in ranks and 1 in ranks}
+        steps = {p for p in crossing if p not in (0, "end")}
+        assert steps == syncs, (rank, sorted(steps), sorted({p for p, *_ in log if p not in (0, "end")}))
+        assert "end" in crossing and any(p not in (0, "end") for p, ranks, *_ in log if len(ranks) == 1), rank
+
+
 @pytest.mark.parametrize("argv, line", [
     (["--diloco-replicas", "3"], "--diloco-replicas: 3 does not divide the world size 4"),
     (["--diloco-replicas", "4", "--tensor-model-parallel-size", "2"],

@@ -73,7 +73,8 @@ def test_outer_state_save_then_load(tmp_path):
     read at the wrong elements), and a resume that drops an exchange in flight then crashes
     at its apply step (KeyError): a save at step 4 (fragment 1's exchange in flight) and a
     load continue bit for bit; other shards or another layout reset the per-rank part
-    (other shards: one line), keep the agreed parameters and momentum, and step on."""
+    (other shards: one line), keep the agreed parameters and momentum, and step on; another
+    schedule (--diloco-inner-steps changed) is said in one line, not silently taken."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -119,6 +120,14 @@ def test_outer_state_save_then_load(tmp_path):
                 other.after_step(t)
         assert log == ["DiLoCo: the outer error buffers start at zero (this rank's shards of the model changed); "
                        "the outer exchanges in flight are dropped (this rank's shards of the model changed)"], log
+
+        # Another --diloco-inner-steps: said in one line, with the exchange in flight dropped.
+        log.clear()
+        other = _outer_step([[p.clone() for p in ps] for ps in at_save], log)
+        other.load_state_dict({**sd, "schedule": [8, 2, 1]})
+        assert not other.pending and log == [
+            "DiLoCo: the outer schedule changes from H 8, F 2, tau 1 (checkpoint) to H 4, F 2, tau 1: each "
+            "fragment's next outer step follows the new one; the 1 outer exchange(s) in flight are dropped"], log
     finally:
         dist.destroy_process_group()
 

@@ -101,12 +101,27 @@ def test_fragment_of():
     ({"diloco_outer_bits": 3}, "--diloco-outer-bits: 3 is not one of"),
     ({"diloco_outer_momentum": 1.0}, "--diloco-outer-momentum"),
     ({"diloco_mixing_factor": 1.0, "diloco_sync_delay": 1}, "--diloco-mixing-factor"),
+    # alpha > 0 without a delay: the replicas would never agree again
+    ({"diloco_mixing_factor": 0.5}, "--diloco-mixing-factor: 0.5 needs --diloco-sync-delay > 0"),
+    # fragments that would sync unevenly (4 // 3 steps apart, then 2)
+    ({"diloco_fragments": 3, "diloco_inner_steps": 4}, "--diloco-fragments: 3 does not divide --diloco-inner-steps 4"),
 ])
 def test_bad_diloco_values_name_the_flag(flags, message):
-    """Guards against a bad DiLoCo value crashing later (or silently running) instead of a
-    one-line error that names its flag."""
+    """Guards against a bad DiLoCo value crashing later (or silently running: a mixing
+    factor with no delay, fragments that do not divide H) instead of a one-line error that
+    names its flag."""
     with pytest.raises(ConfigError, match=message):
         DiLoCoConfig(diloco_replicas=2, **flags)
+
+
+def test_more_fragments_than_layers_is_one_line():
+    """Guards against --diloco-fragments above the layer count being accepted (fragments
+    of no layer at all, whose sync steps send nothing but the embedding or nothing)."""
+    from loco_megatron.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="--diloco-fragments: 8 is more than the model's 2 transformer layers"):
+        Config(model=ModelConfig(num_layers=2), diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=8))
+    Config(model=ModelConfig(num_layers=2), diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=2))
 
 
 def test_diloco_refuses_what_it_cannot_run():

@@ -430,3 +430,39 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+DILOCO_ARGS = TINY + ["--train-iters", "24", "--lr-decay-iters", "24", "--diloco-replicas", "2",
+                      "--diloco-inner-steps", "4", "--diloco-outer-bits", "4"]
+
+
+def test_sigterm_to_one_replica_stops_every_replica_at_one_step(cache_dir, tmp_path):
+    """Guards against a stop that reaches one site only: SIGTERM to replica 1's rank alone
+    (replica 0 never sees it) must end both replicas at the same step, where the replicas'
+    flags meet: one step after an outer step (outer steps at 4, 8, ...; the flags they
+    carry are read a step later); that step is saved (with replica 1's own model), every
+    rank exits 0, and the resumed run continues bit-exactly as one that never stopped.
+    (With the stop agreed only inside each replica, replica 1 would stop alone and
+    replica 0 would hang in the next outer exchange.)"""
+    _, full = torchrun(2, DILOCO_ARGS, cache_dir, tmp_path, name="full")
+    uninterrupted = train_losses(full)
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "first.jsonl"
+    proc = _start(DILOCO_ARGS + ["--save", str(ck), "--load", str(ck), "--save-interval", "100"], cache_dir, metrics)
+    try:
+        _wait_for_iteration(metrics, proc, 5)
+        os.kill(_workers(proc.pid)[1], signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = max(train_losses(read_metrics(metrics)))
+    assert f"stop requested (SIGTERM received on replica 1): saving at iteration {stopped}" in out, out[-3000:]
+    assert stopped < 24 and stopped % 4 == 1, stopped
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert proc.returncode == 0 and "ChildFailedError" not in out, out[-3000:]
+
+    _, resumed = torchrun(2, DILOCO_ARGS + ["--load", str(ck)], cache_dir, tmp_path, name="resumed")
+    b = {**train_losses(read_metrics(metrics)), **train_losses(resumed)}
+    assert sorted(b) == list(range(1, 25))
+    assert b == uninterrupted

@@ -122,6 +122,8 @@ def summarize(run: Run) -> dict:
         "outer_bytes_per_step": _zero_if_nan(_weighted_mean(steady, "comm/outer_bytes_sent")),
         "outer_time_s": _zero_if_nan(_weighted_mean(steady, "comm/outer_time_s")),
         "outer_exposed_s": _zero_if_nan(_weighted_mean(steady, "comm/outer_exposed_s")),
+        # DiLoCo: what a bf16 ring all-reduce between the replicas at every step would send (computed)
+        "outer_bf16_every_step": _zero_if_nan(_weighted_mean(steady, "comm/outer_bytes_bf16_every_step")),
         "comm_total_s": _weighted_mean(steady, "comm/grad_sync_total_s"),
         "comm_exposed_s": _weighted_mean(steady, "comm/grad_sync_exposed_s"),
         "compress_s": _weighted_mean(steady, "comm/compress_s"),

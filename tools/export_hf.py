@@ -4,7 +4,8 @@
     python tools/export_hf.py --load ckpt/run --out hf/run
     # then: AutoModelForCausalLM.from_pretrained("hf/run"), AutoTokenizer.from_pretrained("hf/run")
 
-Dense models become LlamaForCausalLM, MoE models MixtralForCausalLM. Bad input (a missing
+Dense models become LlamaForCausalLM, MoE models MixtralForCausalLM. Of a DiLoCo checkpoint
+the agreed model is exported (``--replica R``: replica R's own). Bad input (a missing
 or half-written checkpoint, an option those classes cannot express, an existing --out)
 ends with one line and exit code 2, and nothing is written.
 """
@@ -30,6 +31,9 @@ def main() -> None:
                          "Hugging Face tokenizer folder, tokenizer.json or hub name")
     ap.add_argument("--tokenizer-type", default=None, choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
                     help="how to read --tokenizer-model (default: the run's --tokenizer-type)")
+    ap.add_argument("--replica", type=int, default=None,
+                    help="of a DiLoCo checkpoint, export this replica's local model instead of the agreed one "
+                         "(default: the agreed model, after the run's final outer step)")
     args = ap.parse_args()
     # megatron-core warns at import about optional fused kernels; the export uses none of them.
     warnings.simplefilter("ignore")
@@ -37,7 +41,7 @@ def main() -> None:
         from loco_megatron.export import export_to_hf, print_summary
 
         summary = export_to_hf(args.load, args.out, args.tokenizer_model, pathlib.Path.home() / ".cache",
-                               args.tokenizer_type, hf_hub_offline())
+                               args.tokenizer_type, hf_hub_offline(), args.replica)
     except ConfigError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         raise SystemExit(2)

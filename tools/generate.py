@@ -34,13 +34,16 @@ def main() -> int:
     ap.add_argument("--tokenizer-model", default=None,
                     help="the run's sentencepiece model (default: the one its config names, or the built-in "
                          "corpus's under its --data-cache-path)")
+    ap.add_argument("--replica", type=int, default=None,
+                    help="of a DiLoCo checkpoint, continue with this replica's local model (default: the agreed one)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # megatron-core warns at import about optional fused kernels
     try:
         from loco_megatron.generation import Sampling, generate, whitespace_note
 
         sampling = Sampling(args.max_new_tokens, args.top_p, args.temperature, args.seed)
-        out = generate(args.load, args.prompt, sampling, args.tokenizer_model, offline=hf_hub_offline())
+        out = generate(args.load, args.prompt, sampling, args.tokenizer_model, offline=hf_hub_offline(),
+                       replica=args.replica)
     except ConfigError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

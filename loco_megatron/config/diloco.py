@@ -56,6 +56,11 @@ class DiLoCoConfig:
 
     def __post_init__(self):
         check_choices(self)
+        # With tau 0 the replicas take the agreed parameters at once: mixing their own back
+        # in would keep them apart for good (they never agree again).
+        require(not self.diloco_mixing_factor or self.diloco_sync_delay > 0, "diloco_mixing_factor",
+                f"{self.diloco_mixing_factor} needs --diloco-sync-delay > 0 (alpha mixes the steps taken while an "
+                "exchange was in flight; with no delay the replicas must take the agreed parameters, alpha 0)")
         if self.diloco_mixing_factor is None:
             self.diloco_mixing_factor = 0.5 if self.diloco_sync_delay > 0 else 0.0
         require(self.diloco_replicas >= 0, "diloco_replicas", f"{self.diloco_replicas} is not >= 0")
@@ -66,6 +71,9 @@ class DiLoCoConfig:
         require(0.0 <= self.diloco_outer_beta < 1.0, "diloco_outer_beta", f"{self.diloco_outer_beta} is not in [0, 1)")
         require(1 <= self.diloco_fragments <= self.diloco_inner_steps, "diloco_fragments",
                 f"{self.diloco_fragments} is not in 1 ... --diloco-inner-steps ({self.diloco_inner_steps})")
+        require(self.diloco_inner_steps % self.diloco_fragments == 0, "diloco_fragments",
+                f"{self.diloco_fragments} does not divide --diloco-inner-steps {self.diloco_inner_steps} (the "
+                "fragments sync H/F steps apart, evenly)")
         gap = self.diloco_inner_steps // self.diloco_fragments
         require(0 <= self.diloco_sync_delay <= gap and self.diloco_sync_delay < self.diloco_inner_steps,
                 "diloco_sync_delay", f"{self.diloco_sync_delay} is not in 0 ... {min(gap, self.diloco_inner_steps - 1)} "

@@ -137,6 +137,9 @@ class Config:
                 "needs --use-distributed-optimizer (the outer step works on its fp32 main-parameter shards)")
         require(p.num_distributed_optimizer_instances == 1, "num_distributed_optimizer_instances",
                 "must be 1 with --diloco-replicas (the replicas are the distributed-optimizer instances)")
+        require(d.diloco_fragments <= self.model.num_layers, "diloco_fragments",
+                f"{d.diloco_fragments} is more than the model's {self.model.num_layers} transformer layers (each "
+                "fragment is one or more whole layers)")
         bs = self.loco.loco_block_size
         require(not d.diloco_outer_bits or self.loco.options_for(d.diloco_outer_bits)["rotation"] == "none"
                 or bs & (bs - 1) == 0, "diloco_outer_bits",

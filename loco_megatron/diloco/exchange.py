@@ -35,7 +35,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps, ShardLayout, compressed_reduce_scatter
+from loco_megatron.loco.collectives import (TORCH_OPS, CodeGather, CollectiveOps, ShardLayout, compressed_reduce_scatter,
+                                            decode_rows_into)
 from loco_megatron.loco.compressor import LoCoCompressor
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
@@ -147,8 +148,8 @@ class OuterWork:
         self._work = None  # torch work of the collective in flight
         self._rs = None  # phase 1 handle (compressed)
         self._mean_row: Optional[torch.Tensor] = None
-        self._recv2: Optional[torch.Tensor] = None
-        self._send2: Optional[torch.Tensor] = None
+        self._recv2: Optional[torch.Tensor] = None  # (exact: the gathered deltas)
+        self._gather: Optional[CodeGather] = None  # phase 2 in flight
         self.phase = 0
         """1: phase 1 in flight; 2: phase 2 in flight (or the fp32 all-reduce); 3: done."""
         self.launch_mark = self.done_mark = None
@@ -197,11 +198,7 @@ class OuterWork:
             self._rs.wait()  # the fp32 mean of this rank's row, in rank order
             self._rs = None
             codes, scales = c.comp2.compress(self._mean_row, c.workspace)
-            send = torch.cat([codes.reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
-            recv = torch.empty(c.world * send.numel(), dtype=torch.uint8, device=send.device)
-            # send stays referenced until wait(): the collective may read it until then.
-            self._send2, self._recv2 = send, recv
-            self._work = c.ops.all_gather_into_tensor(recv, send, group=c.group, async_op=True)
+            self._gather = CodeGather(codes, scales, c.world, c.group, async_op=True, ops=c.ops)
 
         self._timed(run)
         self.phase = 2
@@ -213,8 +210,9 @@ class OuterWork:
         c = self.c
 
         def run():
-            self._work.wait()
-            self._work = None
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
             if c.exact:
                 rows = self._recv2.view(c.world, -1)
                 self.delta.copy_(rows[0])
@@ -225,12 +223,8 @@ class OuterWork:
             elif not c.bits:
                 self.delta.div_(c.world)
             else:
-                rows = self._recv2.view(c.world, -1)
-                for r in range(c.world):  # every row decoded from the same bytes on every rank
-                    a, b = c.layout1.row_range(r)
-                    if b > a:
-                        c._decompress(rows[r:r + 1], c.row_layout, self.delta[a:b])
-                self._recv2 = self._send2 = self._mean_row = None
+                decode_rows_into(self._gather.wait(), c.layout1, c.row_layout, self.delta, c._decompress)
+                self._gather = self._mean_row = None
             self.finite = torch.isfinite(self.delta).all()
 
         self._timed(run)

@@ -59,7 +59,10 @@ def describe(config: Config, world_size: int) -> str:
     size = world_size // r
     inner_dp = config.data_parallel_size(world_size) // r
     p = config.parallel
-    bits = (f"{d.diloco_outer_bits}-bit {'/'.join(config.loco.options_for(d.diloco_outer_bits).values())}"
+    whose = ("--loco-* options" if config.loco.loco_bits == d.diloco_outer_bits
+             else f"the {d.diloco_outer_bits}-bit defaults")
+    bits = (f"{d.diloco_outer_bits}-bit {'/'.join(config.loco.options_for(d.diloco_outer_bits).values())} "
+            f"({whose})"
             f"{f', error feedback (beta {d.diloco_outer_beta})' if d.diloco_outer_error_feedback else ', no error feedback'}"
             f"{', gain-corrected' if d.diloco_outer_gain_correction else ''}"
             if d.diloco_outer_bits else "fp32 all-reduce")

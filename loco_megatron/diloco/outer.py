@@ -164,8 +164,8 @@ class OuterStep:
         """The last step ``t`` of a run (every rank, the same step; collective over the
         outer groups): the agreed parameters every replica ends on, into :attr:`final`,
         leaving the resumable state (agreed, momentum, local parameters, exchanges in
-        flight) untouched, so a run resumed from this step's checkpoint continues exactly
-        as one that never stopped.
+        flight, the error buffers) untouched, so a run resumed from this step's checkpoint
+        continues exactly as one that never stopped.
 
         Per channel, on copies of the agreed parameters and the momentum: an exchange in
         flight is finished and applied (as at its apply step, the local parameters mixed
@@ -173,7 +173,7 @@ class OuterStep:
         last sync, ``delta = agreed' - local'`` (exchanged as every outer gradient, error
         buffers and all). A fragment that synced at ``t`` itself with alpha 0 (its local
         parameters are the agreed ones, bit for bit) takes none. Channels one at a time:
-        the scratch is one channel's three fp32 copies. Returns ``{"exchanged": fragments
+        the scratch is one channel's three fp32 copies and its error buffers. Returns ``{"exchanged": fragments
         that took a final exchange, "in_flight": exchanges in flight applied}``."""
         sched = self.schedule
         synced = set(sched.applies(t) if sched.delay else sched.starts(t)) if self.alpha == 0.0 else set()
@@ -194,8 +194,12 @@ class OuterStep:
             views.outer_gradient(agreed, delta)  # agreed' - local
             if in_flight:  # local' = alpha local + (1 - alpha) agreed'  =>  agreed' - local' = alpha (agreed' - local)
                 delta.mul_(self.alpha)
+            # The exchange compensates with the error buffers and updates them; a resume
+            # must find them as they were (a run that never stopped has no such exchange).
+            errors = channel.state_dict()
             self.pending[key] = (t, channel.start(delta))
             nesterov_step(agreed, momentum, self._settled_mean(key), self.lr, self.mu)
+            channel.load_state_dict(errors)
             self.final[key] = agreed
             exchanged.add(f)
         self.pending = resumable
@@ -288,7 +292,11 @@ class OuterStep:
                     notes.append("the outer momentum starts at zero (saved without momentum)")
                 else:
                     self.momentum[key].copy_(sd["momentum"][key])
-        notes += self._load_per_rank(sd["per_rank"], list(sd["schedule"]))
+        saved, now = list(sd["schedule"]), [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]
+        if saved != now:
+            notes.append("the outer schedule changes from H {}, F {}, tau {} (checkpoint) to H {}, F {}, tau {}: "
+                         "each fragment's next outer step follows the new one".format(*saved, *now))
+        notes += self._load_per_rank(sd["per_rank"], saved)
         if notes:  # one line, whatever starts afresh
             self._log(f"DiLoCo: {'; '.join(dict.fromkeys(notes))}")
 
@@ -314,8 +322,7 @@ class OuterStep:
                 notes.append(f"the outer error buffers start at zero ({e})")
         now = [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]
         if schedule != now and sd["pending"]:
-            notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped (the schedule "
-                         f"H, F, tau changed from {tuple(schedule)})")
+            notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped")
         elif set(sd["pending"]) - fits:
             notes.append("the outer exchanges in flight are dropped (this rank's shards of the model changed)")
         else:

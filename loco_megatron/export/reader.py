@@ -16,6 +16,7 @@ import dataclasses
 import pathlib
 import re
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -96,7 +97,7 @@ def read_run_config(path: pathlib.Path) -> Config:
 
 def single_rank_config(config: Config) -> Config:
     """The same model shape on one rank: TP = PP = EP = ETP = 1, no virtual stages, no sequence
-    parallelism or recomputation (neither changes a weight), megatron-core's local layers (a
+    parallelism or recomputation (neither changes a weight), no DiLoCo replicas, megatron-core's local layers (a
     TransformerEngine run's dense checkpoint loads into them through the local spec's
     ``sharded_state_dict_keys_map``; the export needs no TransformerEngine)."""
     parallel = dataclasses.replace(
@@ -107,7 +108,9 @@ def single_rank_config(config: Config) -> Config:
     model = dataclasses.replace(config.model, recompute_granularity=None, recompute_method=None,
                                 recompute_num_layers=None, use_cpu_initialization=True, transformer_impl="local")
     loco = dataclasses.replace(config.loco, param_gather_bits=0)
-    return dataclasses.replace(config, parallel=parallel, model=model, loco=loco)
+    # One model on one rank: no DiLoCo replicas (which model of a DiLoCo checkpoint is read: model_source).
+    diloco = dataclasses.replace(config.diloco, diloco_replicas=0)
+    return dataclasses.replace(config, parallel=parallel, model=model, loco=loco, diloco=diloco)
 
 
 def embedding_rows(path: pathlib.Path) -> tuple[int, bool]:
@@ -125,17 +128,48 @@ def embedding_rows(path: pathlib.Path) -> tuple[int, bool]:
     raise ConfigError(f"--load: {path} has no {_EMBEDDING}: not a GPT model checkpoint")
 
 
-def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool) -> dict:
+def model_source(path: pathlib.Path, replica: Optional[int] = None) -> tuple[str, str]:
+    """Which model of ``path`` to read: ``(key prefix, what it is)``.
+
+    A DiLoCo checkpoint holds every replica's own (local) model and the agreed one
+    (:mod:`loco_megatron.checkpoint.diloco`): by default the agreed model, the one every
+    replica ended on after the run's final outer step (``diloco.final.``) when the
+    checkpoint is of a run's last step, else the agreed parameters of its last outer step
+    (``diloco.agreed.``); ``replica`` r: that replica's local model (plain keys for
+    replica 0, ``diloco.replica{r}.`` else). A checkpoint without DiLoCo: its one model.
+    ConfigError for a replica the checkpoint does not hold."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        keys = dist_checkpointing.load_tensors_metadata(str(path)).keys()
+    except Exception as e:
+        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({_first_line(e)})") from None
+    prefixes = {k.split(".", 2)[1] for k in keys if k.startswith("diloco.")}
+    if replica is not None:
+        held = 1 + max((int(p[len("replica"):]) for p in prefixes if re.fullmatch(r"replica\d+", p)), default=0)
+        if not 0 <= replica < held or (replica and "agreed" not in prefixes):
+            raise ConfigError(f"--replica: {replica} is not a replica of {path} (it holds "
+                              + (f"replicas 0-{held - 1})" if "agreed" in prefixes else "one model, no DiLoCo replicas)"))
+        return (f"diloco.replica{replica}." if replica else ""), f"replica {replica}'s local model"
+    if "final" in prefixes:
+        return "diloco.final.", "the agreed model (after the run's final outer step)"
+    if "agreed" in prefixes:
+        return "diloco.agreed.", "the agreed parameters of the last outer step"
+    return "", ""
+
+
+def load_model_tensors(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool, source: str = "") -> dict:
     """The model's global tensors (GPTModel ``state_dict`` names, TP=1) from ``path``
     (see :func:`loaded_model`)."""
-    with loaded_model(path, config, rows, ddp_prefix) as (_, loaded):
+    with loaded_model(path, config, rows, ddp_prefix, source) as (_, loaded):
         return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 
 @contextlib.contextmanager
-def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool):
+def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool, source: str = ""):
     """Yields ``(model, loaded)``: one TP=PP=EP=1 GPTModel on the CPU in eval mode holding the
-    weights of ``path``, and its loaded state dict (``state_dict`` names, TP=1 tensors).
+    weights of ``path`` (``source``: the key prefix of the model to read, see
+    :func:`model_source`), and its loaded state dict (``state_dict`` names, TP=1 tensors).
 
     Runs in this process: a one-rank gloo group and megatron's parallel state, which exist
     only inside the ``with`` block; the model built by :func:`loco_megatron.model.build_model`
@@ -160,6 +194,8 @@ def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool
         try:
             model = build_model(config, rows, platform.device, wrap=False)[0]
             sharded = model.sharded_state_dict(prefix="module." if ddp_prefix else "")
+            if source:  # DiLoCo's agreed model or another replica's: the same tensors under a prefix
+                _read_from(sharded, source)
             try:
                 loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
             except CheckpointException as e:
@@ -177,6 +213,20 @@ def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+def _read_from(sharded: dict, prefix: str) -> None:
+    """Point every sharded tensor (and tensor factory: SwiGLU's fused fc1) of ``sharded`` at
+    ``prefix + key``, in place; objects (no tensor data) keep their keys."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def rename(sh):
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
+            sh.key = prefix + sh.key
+        return sh
+
+    dict_list_map_inplace(rename, sharded)
 
 
 def _first_line(e: Exception) -> str:

@@ -15,7 +15,7 @@ from loco_megatron.config import ConfigError
 from loco_megatron.data.hf_tokenizer import hf_special_token_ids, save_hf_tokenizer
 from loco_megatron.data.tokenizer import HUGGINGFACE, load_tokenizer
 from loco_megatron.export.hf_config import check_exportable, hf_config
-from loco_megatron.export.reader import (embedding_rows, load_model_tensors, read_run_config,
+from loco_megatron.export.reader import (embedding_rows, load_model_tensors, model_source, read_run_config,
                                          resolve_iteration_dir, single_rank_config)
 from loco_megatron.export.tokenizer import read_pieces, special_token_ids, write_tokenizer
 from loco_megatron.export.weights import to_hf
@@ -32,6 +32,8 @@ class ExportSummary:
     vocab_size: int
     dtype: str
     saved_layout: str
+    source: str = ""
+    """Which model of a DiLoCo checkpoint was exported ('' without DiLoCo)."""
 
 
 def default_tokenizer_path(config, cache_home: pathlib.Path) -> pathlib.Path:
@@ -51,8 +53,10 @@ def check_out_dir(out: pathlib.Path) -> None:
 
 
 def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: pathlib.Path,
-                 tokenizer_type: str | None = None, offline: bool = False) -> ExportSummary:
-    """Export ``load`` (SAVE root or iter_N folder) to the new folder ``out``.
+                 tokenizer_type: str | None = None, offline: bool = False,
+                 replica: int | None = None) -> ExportSummary:
+    """Export ``load`` (SAVE root or iter_N folder) to the new folder ``out``: of a DiLoCo
+    checkpoint the agreed model, or ``replica``'s local one (:func:`~.reader.model_source`).
 
     ``tokenizer_model``/``tokenizer_type``: the run's tokenizer (None: the one its saved config
     names; ``offline``: HF_HUB_OFFLINE, a hub name is read from the hub cache only); a Hugging Face one is written as its own files (same ids as in training), a
@@ -83,6 +87,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
                               "sentencepiece model the run trained with")
         pieces, special_ids = len(read_pieces(str(tok_path))[0]), special_token_ids(str(tok_path))
     rows, ddp_prefix = embedding_rows(path)
+    prefix, source = model_source(path, replica)
     from loco_megatron.model import padded_vocab_size, transformer_config
 
     tp = saved.parallel.tensor_model_parallel_size
@@ -91,7 +96,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
                           f"has {rows} rows (padded for TP {tp}): not the run's tokenizer")
     config = single_rank_config(saved)
     check_exportable(config, transformer_config(config))
-    tensors = load_model_tensors(path, config, rows, ddp_prefix)
+    tensors = load_model_tensors(path, config, rows, ddp_prefix, prefix)
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # --bf16 runs keep the torch norms' weights in fp32 next to bf16 linears: one dtype in the file.
     weights = {k: v.to(getattr(torch, dtype)) for k, v in to_hf(tensors, config, pieces).items()}
@@ -124,10 +129,11 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     if p.virtual_pipeline_model_parallel_size:
         layout += f" (VPP {p.virtual_pipeline_model_parallel_size})"
     return ExportSummary(out_path, path, hf["architectures"][0], sum(t.numel() for t in weights.values()),
-                         pieces, dtype, layout)
+                         pieces, dtype, layout, source)
 
 
 def print_summary(summary: ExportSummary, file=sys.stdout) -> None:
-    print(f"exported {summary.iteration_dir} (saved as {summary.saved_layout}) -> {summary.out}: "
+    of = f" (DiLoCo: {summary.source})" if summary.source else ""
+    print(f"exported {summary.iteration_dir}{of} (saved as {summary.saved_layout}) -> {summary.out}: "
           f"{summary.architecture}, {summary.parameters:,} parameters ({summary.dtype}), "
           f"vocabulary {summary.vocab_size}", file=file)

@@ -299,6 +299,40 @@ def gathered_layout(numel: int, world: int, bits: int, block_size: int,
     return ShardLayout(numel * world, world, bits, block_size, options=options)
 
 
+class CodeGather:
+    """An all-gather of every rank's codes and scales (one packed uint8 row each: codes, then
+    the fp32 scales' bytes), with a work handle. ``send`` stays referenced until
+    :meth:`wait`: the collective may read it until it completes."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, world: int, group, async_op: bool,
+                 ops: CollectiveOps = TORCH_OPS):
+        self.send = torch.cat([codes.reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
+        self.recv = torch.empty(world * self.send.numel(), dtype=torch.uint8, device=self.send.device)
+        self.world, self.row_bytes = world, self.send.numel()
+        # flat: gloo wants the output 1-D
+        self._work = ops.all_gather_into_tensor(self.recv, self.send, group=group, async_op=async_op)
+
+    def wait(self) -> torch.Tensor:
+        """uint8 ``[world, row_bytes]``: row ``r`` from group rank ``r``."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self.send = None
+        return self.recv.view(self.world, -1)
+
+
+def decode_rows_into(rows: torch.Tensor, layout: ShardLayout, row_layout: ShardLayout, out: torch.Tensor,
+                     decompress: Callable = decompress_into) -> None:
+    """Row ``r`` of the gathered ``rows`` (uint8 ``[world, row_bytes]``, each one row of
+    ``row_layout``) decoded into its place ``layout.row_range(r)`` of the flat ``out``
+    (``layout.numel`` elements): every rank decodes the same bytes, so all of them hold
+    the same values, bit for bit."""
+    for r in range(layout.world):
+        a, b = layout.row_range(r)
+        if b > a:
+            decompress(rows[r:r + 1], row_layout, out[a:b])
+
+
 def compressed_all_gather_sum(
     buffer: torch.Tensor,
     compress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -323,11 +357,9 @@ def compressed_all_gather_sum(
     start = clock.mark()
     assert buffer.numel() == layout.piece, (buffer.numel(), layout.piece)
     codes, scales = compress(buffer)
-    send = torch.cat([codes.reshape(-1), scales.float().reshape(-1).view(torch.uint8)])
-    assert send.numel() == layout.row_bytes, (send.numel(), layout.row_bytes)
-    recv = torch.empty(layout.world * layout.row_bytes, dtype=torch.uint8, device=send.device)
     launch = clock.mark()
-    ops.all_gather_into_tensor(recv, send, group=group)  # flat: gloo wants the output 1-D
+    gather = CodeGather(codes, scales, layout.world, group, async_op=False, ops=ops)
+    assert gather.row_bytes == layout.row_bytes, (gather.row_bytes, layout.row_bytes)
     dstart = clock.mark()
-    decompress(recv.view(layout.world, layout.row_bytes), layout, buffer, 1.0 / layout.world if average else 1.0)
-    return (start, launch, dstart, clock.mark()), (layout.world - 1) * send.numel()
+    decompress(gather.wait(), layout, buffer, 1.0 / layout.world if average else 1.0)
+    return (start, launch, dstart, clock.mark()), (layout.world - 1) * layout.row_bytes
