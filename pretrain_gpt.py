@@ -8,7 +8,7 @@
 
 Flags follow Megatron-LM's names; ``--help`` lists them. A ``--config`` YAML file
 (keys = flag names) is read first, command-line flags override it. ``--dry-run`` checks
-the config and the layout for ``--world-size`` ranks and prints the start-up summary
+the config and the layout for ``--world-size`` ranks (default: those its header names) and prints the start-up summary
 with a memory estimate per GPU, starting nothing (exit 2 and one line if impossible).
 """
 
@@ -20,21 +20,21 @@ from loco_megatron.config import ConfigError
 
 
 def main() -> int:
-    config, env, dry_run_world = main_invocation()
+    config, env, dry = main_invocation()
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
     try:
-        if dry_run_world is not None:
+        if dry is not None:
             from loco_megatron.training.preflight import dry_run
 
-            print(dry_run(config, dry_run_world, env.hf_hub_offline))
+            print(dry_run(config, dry.world_size, env.hf_hub_offline, dry.source))
             return 0
         from loco_megatron.data.inputs import check_inputs_here
 
-        check_inputs_here(config.data)  # before torch is imported: a typo'd path is one line at once
+        check_inputs_here(config)  # before torch is imported: a typo'd path is one line at once
     except ConfigError as e:
-        report_error(e, 0 if dry_run_world is not None else env.rank, env.error_file)
+        report_error(e, 0 if dry is not None else env.rank, env.error_file)
         return 2
     from loco_megatron.progress import progress
 

@@ -27,6 +27,9 @@ import yaml
 from loco_megatron.config import ALTERNATIVES, Config, ConfigError
 from loco_megatron.config.base import RENAMED
 
+if typing.TYPE_CHECKING:
+    from loco_megatron.training.preflight import DryRunWorld
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny_gpt.yaml"
 
@@ -148,9 +151,13 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def _did_you_mean(word: str, known: Sequence[str]) -> str:
-    """`` (did you mean X?)`` for the closest of ``known`` to a mistyped ``word``, or ""."""
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """`` (did you mean X?)`` for the one of ``known`` closest to a mistyped ``word``, or ""
+    when none is genuinely close. The names are compared without their leading ``--``
+    (shared by every flag, it made ``--foo-bar`` look 70% like ``--loco-beta``); 0.75 keeps
+    a dropped or doubled letter (``--lr-warmup-iter``, ``--hiden-size``, ``--seq-len``)."""
+    names = {k.lstrip("-"): k for k in known}
+    close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.75)
+    return f" (did you mean {names[close[0]]}?)" if close else ""
 
 
 def _known_flags() -> list[str]:
@@ -185,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "would, print the start-up summary with a memory estimate per GPU, and exit "
                              "(no processes, no torch.distributed)")
     launch.add_argument("--world-size", dest="world_size", type=int, metavar="INT",
-                        help="with --dry-run: the ranks of the job to check (default: $WORLD_SIZE or 1)")
+                        help="with --dry-run: the ranks of the job to check (default: $WORLD_SIZE, else "
+                             "the GPUs (or CPU ranks) the config file's header names: '# GPUs: 2 nodes x 8')")
     for section, cls in _sections().items():
         group = parser.add_argument_group(section)
         docs = _field_docs(cls)
@@ -206,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stderr_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """``line`` and its newline in one write: stderr writes through, so ``print`` made two
+    system calls, and two ranks' lines on one console ran together between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _renamed(values: dict[str, Any], config_file: Optional[str] = None,
@@ -288,17 +299,26 @@ def parse_config(argv: Optional[Sequence[str]] = None, note: Callable[[str], Non
     return _parse(argv, note)[0]
 
 
-def _parse(argv: Optional[Sequence[str]], note: Callable[[str], None] = _stderr_line) -> tuple[Config, dict[str, Any]]:
-    """(validated Config, the launch options given: ``dry_run``, ``world_size``)."""
+def _parse(argv: Optional[Sequence[str]], note: Callable[[str], None] = _stderr_line,
+           data_files_first: bool = False) -> tuple[Config, dict[str, Any]]:
+    """(validated Config, the launch options given: ``dry_run``, ``world_size``; and
+    ``config_file``, the --config file read). ``data_files_first`` (a real start): a missing
+    dataset file is the error, before whatever the values' validation would say about the
+    rest (e.g. that --tokenizer-model is required with --data-path)."""
     args = _renamed(vars(build_parser().parse_args(argv)), note=note)
     launch = {k: args.pop(k) for k in ("dry_run", "world_size") if k in args}
     config_path = args.pop("config", str(DEFAULT_CONFIG))
+    launch["config_file"] = config_path
     values = load_yaml_config(config_path, note)
     for name, (other, off) in ALTERNATIVES.items():
         if name in args and other not in args:
             values[other] = off
     from_file = set(values) - set(args)
     values.update(args)
+    if data_files_first and not launch.get("dry_run"):
+        from loco_megatron.data.inputs import check_data_files
+
+        check_data_files(*(values.get(k) for k in ("data_path", "train_data_path", "valid_data_path")))
     try:
         return make_config(values, command_line=args), launch
     except ConfigError as e:
@@ -327,7 +347,7 @@ def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None
     line once and never a traceback in its place."""
     line = f"pretrain_gpt.py: error: {error}"
     if rank == 0 or getattr(error, "per_rank", False):
-        print(line, file=sys.stderr, flush=True)
+        _stderr_line(line)
         if error_file:
             write_error_file(error_file, line)
     else:
@@ -355,22 +375,24 @@ def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv
     return config, env
 
 
-def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv, Optional[int]]:
+def main_invocation(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv, Optional[DryRunWorld]]:
     """(config, environment, the world size to dry-run or None for a real start); exit(2)
     with one line naming the problem. Deprecation notes are printed by rank 0 only."""
     rank = int(os.environ.get("RANK", "0"))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") or None
     try:
-        config, launch = _parse(argv, _stderr_line if rank == 0 else (lambda line: None))
+        config, launch = _parse(argv, _stderr_line if rank == 0 else (lambda line: None), data_files_first=True)
         env = LaunchEnv.from_environ()
         if not launch.get("dry_run"):
             if "world_size" in launch:
                 raise ConfigError("--world-size: only with --dry-run (torchrun gives a real start its world size)")
             return config, env, None
-        world = launch.get("world_size", env.world_size)
-        if world < 1:
-            raise ConfigError(f"--world-size: {world} must be >= 1")
-        return config, env, world
+        from loco_megatron.training.preflight import dry_run_world
+
+        path = launch["config_file"]
+        shown = str(DEFAULT_CONFIG.relative_to(REPO_ROOT)) if path == str(DEFAULT_CONFIG) else path
+        launched = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
+        return config, env, dry_run_world(launch.get("world_size"), launched, path, shown)
     except ConfigError as e:
         report_error(e, rank, error_file)
         raise SystemExit(2)

@@ -10,12 +10,15 @@ torch_build: the same under --ckpt-format torch),
 staging (rank 1's copy to host memory: a device OOM), staging_async (the same under
 --async-save, in the foreground part), shard (rank 1's shard write: disk full), common
 (rank 0's common.pt: disk full), async (rank 1's background shard write: disk full),
+async_all (every rank's background shard write: a full disk),
 dcp_metadata (rank 0's DCP .metadata: disk full), metadata_json (rank 0's metadata.json:
 disk full), sidecar (the last rank's checksum file: disk full). Load faults: missing (a
 shard deleted together with its sha256.rank_N.json), torch_corrupt (--ckpt-format torch:
-rank 1's file bit-flipped). idle: save, then wait to be killed. Prints, tagged
-``[SCENARIO]``, ``ERROR`` (the one line the run would end with), ``LEFT`` (names in the
-scenario's root) and ``LOADED`` (the previous checkpoint loaded back) per rank.
+rank 1's file bit-flipped), common_unreadable (rank 1 alone cannot read common.pt, as a
+node whose copy is truncated: torch's zip reader's long message). idle: save, then wait to be
+killed. Prints, tagged ``[SCENARIO]``, ``ERROR`` (the one line the run would end with),
+``AGREED`` (whether every rank raised it together: then rank 0 alone prints it), ``LEFT``
+(names in the scenario's root) and ``LOADED`` (the previous checkpoint loaded back) per rank.
 """
 
 import builtins
@@ -78,8 +81,14 @@ def full_save(real_save):
     return save
 
 
-SAVE_FAULTS = ("build", "torch_build", "staging", "staging_async", "shard", "common", "async", "dcp_metadata",
-               "metadata_json", "sidecar")
+SAVE_FAULTS = ("build", "torch_build", "staging", "staging_async", "shard", "common", "async", "async_all",
+               "dcp_metadata", "metadata_json", "sidecar")
+LOAD_FAULTS = ("missing", "torch_corrupt", "common_unreadable")
+ZIP_ERROR = ("PytorchStreamReader failed reading zip archive: failed finding central directory. This is an internal "
+             "miniz error. If you are seeing this error, there is a high likelihood that your checkpoint file is "
+             "corrupted. This can happen if the checkpoint was not saved properly, was transferred incorrectly, or "
+             "the file was modified after saving.")
+"""What torch.load says of a truncated file (torch 2.13): the line keeps its first sentence, whole."""
 
 
 def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, model: Weights) -> None:
@@ -102,7 +111,7 @@ def inject(scenario: str, rank: int, world: int, stack: contextlib.ExitStack, mo
         oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         stack.enter_context(mock.patch.object(filesystem_async.FileSystemWriterAsync, "preload_tensors",
                                               staticmethod(fail(oom))))
-    if scenario in ("shard", "async") and rank == 1:
+    if (scenario in ("shard", "async") and rank == 1) or scenario == "async_all":
         stack.enter_context(mock.patch.object(filesystem_async, "open", full_open, create=True))
     if scenario == "common" and rank == 0:
         stack.enter_context(mock.patch.object(torch, "save", full_save(torch.save)))
@@ -119,15 +128,15 @@ def run(scenario: str, root: pathlib.Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     fmt = "torch" if scenario in ("torch_corrupt", "torch_build") else "torch_dist"
     layout = {"world_size": world, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
-    ck = Checkpointer(str(root), None, rank, layout, ckpt_format=fmt, async_save=scenario in ("async", "staging_async"),
-                      log=lambda _: None)
+    ck = Checkpointer(str(root), None, rank, layout, ckpt_format=fmt,
+                      async_save=scenario in ("async", "async_all", "staging_async"), log=lambda _: None)
     ck.save(1, {"model": Weights(1.0)})
     ck.wait()
     if scenario == "idle":
         print(f"SAVED rank={rank} pid={os.getpid()}", flush=True)
         time.sleep(300)  # the test kills the ranks long before
         return
-    error = ""
+    error, agreed = "", False
     try:
         if scenario in SAVE_FAULTS:
             with contextlib.ExitStack() as stack:
@@ -145,12 +154,19 @@ def run(scenario: str, root: pathlib.Path) -> None:
             data[len(data) // 2] ^= 0x01
             victim.write_bytes(bytes(data))
         dist.barrier()
-        if scenario in ("missing", "torch_corrupt"):
+        if scenario in LOAD_FAULTS:
             loader = Checkpointer(None, str(root), rank, layout, ckpt_format=fmt, log=lambda _: None)
-            loader.load(loader.find_resume_dir(collective=True), {"model": Weights(0.0)})
+            with contextlib.ExitStack() as stack:
+                if scenario == "common_unreadable" and rank == 1:
+                    from megatron.core import dist_checkpointing
+
+                    stack.enter_context(mock.patch.object(dist_checkpointing, "load_common_state_dict",
+                                                          lambda *a, **k: (_ for _ in ()).throw(RuntimeError(ZIP_ERROR))))
+                loader.load(loader.find_resume_dir(collective=True), {"model": Weights(0.0)})
     except ConfigError as e:
-        error = str(e)
+        error, agreed = str(e), getattr(e, "agreed", False)
     print(f"ERROR[{scenario}] rank={rank} {error}", flush=True)
+    print(f"AGREED[{scenario}] rank={rank} {agreed}", flush=True)
     dist.barrier()
     print(f"LEFT[{scenario}] rank={rank} {sorted(p.name for p in root.iterdir())}", flush=True)
     if scenario in SAVE_FAULTS:

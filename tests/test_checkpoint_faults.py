@@ -78,7 +78,7 @@ def _per_rank(out: str, tag: str) -> dict[int, str]:
     for line in out.splitlines():
         for chunk in line.split(f"{tag} rank=")[1:]:  # two ranks' lines can share a console line
             rank, _, rest = chunk.partition(" ")
-            for other in ("LEFT[", "ERROR[", "LOADED[", "SAVED "):
+            for other in ("LEFT[", "ERROR[", "AGREED[", "LOADED[", "SAVED "):
                 rest = rest.split(f" {other}")[0]
             found[int(rank)] = rest.strip()
     return found
@@ -92,13 +92,16 @@ FAULTS = {  # scenario of tests/ckpt_fault_worker.py: what its one line names
     "shard": ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"],
     "common": ["iter_0000002.tmp/common.pt failed on rank 0", "no space left on device"],
     "async": ["iter_0000002.tmp", "__1_0.distcp", "rank 1", "no space left on device"],
+    "async_all": ["iter_0000002.tmp failed on ranks 0, 1: ", "no space left on device"],
     "dcp_metadata": ["iter_0000002.tmp/.metadata failed on rank 0", "no space left on device"],
     "metadata_json": ["iter_0000002.tmp/metadata.json failed on rank 0", "no space left on device"],
     "sidecar": ["writing checksums into", "iter_0000002.tmp failed on rank {last}", "no space left on device"],
     "missing": ["iter_0000001/sha256.rank_00001.json is missing", "rank 1"],
     "torch_corrupt": ["iter_0000001/rank_00001.pt does not match its checksum", "rank 1"],
+    "common_unreadable": ["iter_0000001/common.pt is not a readable checkpoint (RuntimeError: PytorchStreamReader "
+                          "failed reading zip archive: failed finding central directory) (on rank 1 of 2)"],
 }
-LOAD_FAULTS = ("missing", "torch_corrupt")
+LOAD_FAULTS = ("missing", "torch_corrupt", "common_unreadable")
 
 
 @pytest.mark.parametrize("nproc,scenarios", [
@@ -117,7 +120,14 @@ def test_checkpoint_failure_ends_every_rank_with_one_line(nproc, scenarios, tmp_
     sha256.rank_N.json passed the integrity check; --ckpt-format torch checked corruption
     per rank, so only the corrupt rank raised. Now every rank ends with the same line
     naming the step, the file and the rank, no traceback, only the previous checkpoint is
-    left and it loads. All scenarios run one after another in one launch per world size."""
+    left and it loads. Also guards against such a line being printed by every rank (it was
+    not marked agreed: two copies on the console, run together) and against one naming the
+    wrong rank (a full disk failing every rank's background write said "rank 0" only), or
+    cut mid-word (an unreadable common.pt ended "...This is an interna)", and did not say
+    it was one rank's finding), and against the result of an --async-save write abandoned
+    after staging failed elsewhere (staging_async) staying in megatron's results queue,
+    where the same processes' next write (async_all, later) took it for its own: rank 0's
+    failure went unseen. All scenarios run one after another in one launch per world size."""
     out = _communicate(_launch([str(WORKER), ",".join(scenarios), str(tmp_path)], nproc), timeout=600)
     assert "Traceback" not in out, out[-3000:]
     for scenario in scenarios:
@@ -127,6 +137,8 @@ def test_checkpoint_failure_ends_every_rank_with_one_line(nproc, scenarios, tmp_
         line = errors[0]
         expected = [fragment.format(last=nproc - 1) for fragment in FAULTS[scenario]]
         assert "\n" not in line and all(f.lower() in line.lower() for f in expected), (scenario, line)
+        agreed = _per_rank(out, f"AGREED[{scenario}]")
+        assert agreed == {r: "True" for r in range(nproc)}, (scenario, agreed)  # rank 0 alone prints it
         left = set(_per_rank(out, f"LEFT[{scenario}]").values())
         assert left == {"['iter_0000001', 'latest_checkpointed_iteration.txt']"}, (scenario, left)
         if scenario not in LOAD_FAULTS:
@@ -402,3 +414,55 @@ def test_train_iters_below_the_loaded_iteration_is_refused(tmp_path):
     line = _refused(lambda: check_train_iters(2, 4, tmp_path / "iter_0000004"))
     assert line.startswith("--train-iters 2 is below iteration 4 of the checkpoint") and "nothing to train" in line
     check_train_iters(4, 4, tmp_path / "iter_0000004")  # a finished run: not an error
+
+
+class _StackedWeights(_Weights):
+    """Like megatron's layer-stacked parameters (``prepend_axis_num``): their load goes
+    through torch's deprecated ShardedTensor, which warns."""
+
+    def sharded_state_dict(self) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        return {"model": {"w": ShardedTensor.from_rank_offsets("w", self.w, (0, 0, 1), replica_id=0,
+                                                               prepend_axis_num=1)}}
+
+
+def test_load_does_not_print_the_sharded_tensor_deprecation_warning(tmp_path, one_rank):
+    """Guards against every checkpoint load printing megatron-core's FutureWarning "Please use
+    DTensor instead and we are deprecating ShardedTensor." (twice on 2 ranks): exactly that
+    warning is not shown during the load; others still are, and the filters are as before."""
+    import warnings
+
+    from loco_megatron.checkpoint import Checkpointer
+
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
+    Checkpointer(str(tmp_path / "ck"), None, 0, layout, ckpt_format="torch_dist").save(1, {"model": _StackedWeights(1.0)})
+    loader = Checkpointer(None, str(tmp_path / "ck"), 0, layout, ckpt_format="torch_dist", log=lambda _: None)
+    weights = _StackedWeights(0.0)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        filters = list(warnings.filters)
+        loader.load(loader.find_resume_dir(collective=True), {"model": weights})
+        assert warnings.filters == filters
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+    assert weights.w.unique().tolist() == [1.0]
+    messages = [str(w.message) for w in shown]
+    assert messages.count("Please use DTensor instead and we are deprecating ShardedTensor.") == 1, messages
+
+
+def test_unreadable_common_pt_is_one_whole_agreed_line(tmp_path, one_rank):
+    """Guards against a truncated ``common.pt`` ending the run with its error cut mid-word
+    ("... failed finding central directory. This is an interna)") and printed by every rank
+    (not agreed): the line keeps the exception's type and first sentence, whole, and every
+    rank raises it together (rank 0 alone prints it)."""
+    from loco_megatron.checkpoint import Checkpointer
+
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "model": [1, 3, 2, None]}
+    root = tmp_path / "ck"
+    Checkpointer(str(root), None, 0, layout, ckpt_format="torch_dist").save(1, {"model": _Weights(1.0)})
+    common = root / "iter_0000001" / "common.pt"
+    common.write_bytes(common.read_bytes()[:200])
+    loader = Checkpointer(None, str(root), 0, layout, ckpt_format="torch_dist", log=lambda _: None)
+    line = _refused(lambda: loader.find_resume_dir(collective=True))
+    assert line == (f"--load: {common} is not a readable checkpoint (RuntimeError: PytorchStreamReader failed "
+                    f"reading zip archive: failed finding central directory)"), line

@@ -250,11 +250,12 @@ def test_missing_local_tokenizer_and_dataset_paths_are_one_line_without_the_netw
     (tmp_path / "data").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HOME": str(tmp_path / "hf")}
     hf = ["--tokenizer-type", "HuggingFaceTokenizer"]
+    ds = str(work / "ds")  # (a missing dataset is named first: here the tokenizer is what is missing)
     cases = [
-        (["pretrain_gpt.py", "--data-path", "data/ds", *hf, "--tokenizer-model", "data/hf_tokk"],
+        (["pretrain_gpt.py", "--data-path", ds, *hf, "--tokenizer-model", "data/hf_tokk"],
          "pretrain_gpt.py: error: --tokenizer-model: data/hf_tokk does not exist (read as a local path: data/ is a "
          "folder here)"),
-        (["pretrain_gpt.py", "--data-path", "data/ds", "--tokenizer-model", "data/tok.model"],
+        (["pretrain_gpt.py", "--data-path", ds, "--tokenizer-model", "data/tok.model"],
          "pretrain_gpt.py: error: --tokenizer-model: data/tok.model does not exist"),
         (["tools/preprocess_data.py", "--input", str(work / "docs.parquet"), "--json-keys", "content", *hf,
           "--tokenizer-model", "data/hf_tok", "--output-prefix", "data/ds"],

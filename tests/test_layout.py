@@ -28,11 +28,13 @@ def _error_line(proc) -> str:
 
 
 def _geometry(config) -> int:
-    """Ranks the config's header says it assumes: '# GPUs: N nodes x G' or '# CPU: 1 node x R ranks'."""
-    head = config.read_text().split("\n\n")[0]
-    found = re.search(r"^# (?:GPUs|CPU): (\d+) nodes? x (\d+)", head, re.M)
+    """Ranks the config's header says it assumes: '# GPUs: N nodes x G' or '# CPU: 1 node x R ranks'
+    (what a dry run without --world-size checks)."""
+    from loco_megatron.training.preflight import header_world_size
+
+    found = header_world_size(str(config))
     assert found, f"{config.name}: its header comment must name the GPUs (or CPU ranks) it assumes"
-    return int(found.group(1)) * int(found.group(2))
+    return found[0]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -83,6 +85,67 @@ def test_mixtral_folds_experts_on_its_32_gpus_and_impossible_layouts_give_one_li
     proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--world-size", "4"], cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
     assert "--world-size: only with --dry-run" in _error_line(proc)  # a real start's world is torchrun's
+
+
+def test_dry_run_without_world_size_checks_the_world_the_config_header_names(tmp_path, monkeypatch, capsys):
+    """Guards against ``--dry-run`` of a multi-node config without --world-size quietly
+    checking world 1 (a layout nobody will run, saying "LoCo: 4-bit" where one rank
+    compresses nothing): it checks the ranks the config's header names and says so in its
+    first line; the default config's header names its 2 CPU ranks; a config without such a
+    header is one line asking for --world-size, exit 2."""
+    from loco_megatron.cli import main_invocation
+    from loco_megatron.training.preflight import dry_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    llama = str(REPO / "configs" / "llama2_7b.yaml")
+    for argv, world, said in ((["--config", llama], 16, f"{llama} names 2 nodes x 8 GPUs in its header"),
+                              ([], 2, "configs/tiny_gpt.yaml names 1 node x 2 CPU ranks in its header")):
+        config, _, dry = main_invocation([*argv, "--dry-run"])
+        assert dry == (world, f"no --world-size: {said}"), dry
+        first = dry_run(config, dry.world_size, False, dry.source).splitlines()[0]
+        assert first == f"dry run: the config and the layout for world size {world} (no --world-size: {said}) are valid; " \
+                        "no process was started", first
+    config, _, dry = main_invocation(["--config", llama, "--dry-run", "--world-size", "32"])
+    assert dry == (32, "")  # given: no note
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main_invocation(["--dry-run"])[2] == (4, "$WORLD_SIZE")  # a dry run under torchrun
+    monkeypatch.delenv("WORLD_SIZE")
+    bare = tmp_path / "mine.yaml"
+    bare.write_text("# my model\nnum-layers: 2\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main_invocation(["--config", str(bare), "--dry-run"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_gpt.py: error: --world-size: a dry run needs the number of ranks to check: give --world-size N "
+        f"({bare} names none in a '# GPUs: N nodes x G' header line)"]
+
+
+def test_dry_run_with_no_data_parallel_group_says_loco_compresses_nothing():
+    """Guards against a dry run at one rank (or DP 1) printing "LoCo: 4-bit ..." as if it
+    compressed gradients, where a real start's line says that nothing is compressed (no
+    data-parallel group of more than one rank): the dry run prints the same line."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.training.preflight import dry_run
+    from loco_megatron.training.summary import loco_compresses_nothing, loco_settings
+
+    def loco_line(flags, world):
+        config = parse_config(flags)
+        return config, next(l for l in dry_run(config, world).splitlines() if l.startswith("LoCo:"))
+
+    for flags, world in ((["--loco-bits", "4"], 1), (["--loco-bits", "4", "--tensor-model-parallel-size", "2"], 2),
+                         (["--config", str(REPO / "configs" / "tiny_moe.yaml"), "--loco-bits", "4"], 1)):
+        config, line = loco_line(flags, world)
+        assert line == loco_compresses_nothing(config), (flags, line)
+        assert line.endswith("no data-parallel group of more than one rank here, so nothing is compressed: "
+                             "gradients are synced exactly"), line
+    for flags, world in ((["--loco-bits", "4"], 2),  # dense DP 2; below: dense DP 1, expert DP 2
+                         (["--config", str(REPO / "configs" / "tiny_moe.yaml"), "--loco-bits", "4",
+                           "--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-model-parallel-size",
+                           "2", "--expert-tensor-parallel-size", "1"], 4)):
+        config, line = loco_line(flags, world)
+        assert line == loco_settings(config), (flags, line)
 
 
 def test_launch_render_dry_runs_the_job_it_renders(tmp_path):

@@ -43,7 +43,8 @@ def _assert_one_line_error(proc, out, needle):
     (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts"),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size"),
     (["--lr-warmup-iters", "500"], "--lr-warmup-iters"),
-    (["--data-path", "nowhere/x"], "--tokenizer-model"),
+    (["--data-path", "nowhere/x"], "--data-path: nowhere/x.bin does not exist"),  # not "--tokenizer-model: is required"
+    (["--train-data-path", "nowhere/t", "--valid-data-path", "nowhere/v"], "--train-data-path: nowhere/t.bin does not"),
     (["--split", "1,2"], "--split"),
     (["--config", "missing.yaml"], "missing.yaml"),
 ])
@@ -75,6 +76,10 @@ def test_missing_and_corrupt_data_files(tmp_path, cache_dir):
     prefix, model = ensure_default_corpus(cache_dir, 4096)
     proc, out = _run(["--data-path", str(tmp_path / "nope"), "--tokenizer-model", model], tmp_path)
     _assert_one_line_error(proc, out, "nope.bin")
+    # Both missing: the dataset is named (it decides which tokenizer is needed), not the tokenizer.
+    proc, out = _run(["--data-path", str(tmp_path / "nope"), "--tokenizer-model", str(tmp_path / "tok.model")],
+                     tmp_path)
+    _assert_one_line_error(proc, out, f"--data-path: {tmp_path / 'nope'}.bin does not exist")
     proc, out = _run(["--data-path", prefix, "--tokenizer-model", str(tmp_path / "tok.model")], tmp_path)
     _assert_one_line_error(proc, out, "tok.model")
 
@@ -108,6 +113,8 @@ def test_corrupt_checkpoint_is_refused(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--num-layerz", "3"], "unknown flag --num-layerz (did you mean --num-layers?)"),
+    (["--lr-warmup-iter", "3"], "unknown flag --lr-warmup-iter (did you mean --lr-warmup-iters?)"),
+    (["--foo-bar", "1"], "unknown flag --foo-bar"),  # nothing is close: no "(did you mean --loco-beta?)"
     (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
 ])
 def test_flag_error_is_one_line_from_rank_0_only(argv, needle, monkeypatch, capsys):
@@ -125,6 +132,89 @@ def test_flag_error_is_one_line_from_rank_0_only(argv, needle, monkeypatch, caps
         assert len(lines) == lines_wanted, lines[:5]
         if lines:
             assert lines[0] == f"pretrain_gpt.py: error: {needle}"
+
+
+def test_a_suggestion_is_offered_only_when_a_name_is_close(tmp_path):
+    """Guards against suggesting an unrelated flag or key for an unknown one: ``--foo-bar``
+    said "(did you mean --loco-beta?)", the shared ``--`` making any two flags look alike;
+    a dropped or doubled letter is still suggested, in flags and config-file keys."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+
+    for flag, wanted in (("--foo-bar", ""), ("--data", ""), ("--hiden-size", " (did you mean --hidden-size?)"),
+                         ("--seq-len", " (did you mean --seq-length?)")):
+        with pytest.raises(ConfigError) as e:
+            parse_config([flag, "1"])
+        assert str(e.value) == f"unknown flag {flag}{wanted}"
+    cfg = tmp_path / "c.yaml"
+    for key, wanted in (("foo-bar", ""), ("num-layerz", " (did you mean num-layers?)")):
+        cfg.write_text(f"{key}: 1\n")
+        with pytest.raises(ConfigError) as e:
+            parse_config(["--config", str(cfg)])
+        assert str(e.value) == f"--config: unknown key '{key}' in {cfg}{wanted}"
+
+
+def test_error_line_is_written_whole_in_one_write(monkeypatch):
+    """Guards against two ranks' error lines running together on one console line
+    ("...no earlier checkpointpretrain_gpt.py: error: ..."): ``print`` wrote the line and
+    its newline in two writes to an unbuffered stderr, and another rank's line came between
+    them. The line and its newline are one write, on every rank that prints."""
+    from loco_megatron.cli import report_error
+    from loco_megatron.config import ConfigError
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    for rank, per_rank in ((0, False), (1, True)):
+        stderr = Recorder()
+        monkeypatch.setattr(sys, "stderr", stderr)
+        error = ConfigError("--save: writing DIR failed on rank 1 (no space left on device)")
+        error.per_rank = per_rank
+        report_error(error, rank)
+        assert stderr.writes == [f"pretrain_gpt.py: error: {error}\n"], stderr.writes
+
+
+def test_tokenizer_model_without_a_dataset_is_refused(tmp_path, cache_dir):
+    """Guards against --tokenizer-model being ignored without --data-path: a missing path
+    trained on the built-in corpus with no word, and an existing one was silently unused
+    (the built-in corpus has its own tokenizer). Either is one line naming the flag and the
+    path, exit 2, before anything is written."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+
+    missing = tmp_path / "nope.model"
+    proc, out = _run(["--tokenizer-model", str(missing), "--train-iters", "2"], tmp_path, cache=cache_dir)
+    _assert_one_line_error(proc, out, f"--tokenizer-model: {missing} is given without --data-path")
+    assert proc.returncode == 2
+    existing = tmp_path / "tok.model"
+    existing.write_bytes(b"x")
+    with pytest.raises(ConfigError, match=f"^--tokenizer-model: {existing} is given without --data-path, and the "
+                                          "built-in corpus uses its own tokenizer"):
+        parse_config(["--tokenizer-model", str(existing)])
+
+
+def test_load_naming_a_file_is_refused_before_any_set_up(tmp_path, cache_dir):
+    """Guards against ``--load FILE`` saying "starting fresh: no checkpoint in --load FILE"
+    and training from scratch (then saving over nothing the user meant to resume): a file
+    cannot hold a checkpoint. One line, exit 2, before any set-up, nothing written, the file
+    untouched; the checkpointer refuses it too, for callers other than pretrain_gpt.py."""
+    from loco_megatron.checkpoint import Checkpointer
+    from loco_megatron.config import ConfigError
+
+    ckpt = tmp_path / "iter_0000004.pt"
+    ckpt.write_bytes(b"weights")
+    proc, out = _run(["--load", str(ckpt), "--train-iters", "2"], tmp_path, cache=cache_dir)
+    _assert_one_line_error(proc, out, f"--load: {ckpt} is a file, not a checkpoint folder")
+    assert proc.returncode == 2 and ckpt.read_bytes() == b"weights"
+    with pytest.raises(ConfigError, match="is a file, not a checkpoint folder"):
+        Checkpointer(None, str(ckpt), 0, {}).find_resume_dir()
 
 
 def test_yaml_bool_for_a_number_is_refused(tmp_path):
@@ -207,5 +297,5 @@ def test_bad_input_under_torchrun_is_the_failure_summarys_root_cause(tmp_path):
                           env=dict(env, NPROC_PER_NODE="2"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    why = f"pretrain_gpt.py: error: --tokenizer-model: {missing} does not exist"
+    why = f"pretrain_gpt.py: error: --data-path: {tmp_path / 'ds'}.bin does not exist"  # named before the tokenizer
     assert proc.stderr.strip().splitlines()[-1] == f"torchrun: rank 0 failed with exit code 2: {why}"

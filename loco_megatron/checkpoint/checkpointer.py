@@ -43,7 +43,8 @@ from loco_megatron.checkpoint.load_notes import announce
 from loco_megatron.checkpoint.model_shape import shape_difference
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, brief
+from loco_megatron.data.inputs import check_load_folder
 
 
 class Checkpointer:
@@ -83,6 +84,7 @@ class Checkpointer:
         if self.load_root is None:
             self.start_note = "starting fresh (no --load)"
             return None
+        check_load_folder(str(self.load_root))  # a file: not "no checkpoint in it, starting fresh"
         latest = self.load_root / LATEST
         if latest.is_file():
             text = latest.read_text().strip()
@@ -106,12 +108,18 @@ class Checkpointer:
                                f"so the newest complete checkpoint is used")
         if torch_dist.is_sharded(path):
             if self.layout_key:  # a different model shape cannot load; another layout can
-                saved = torch_dist.saved_common(path).get("layout", {})
-                differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
-                if differs:
-                    error = ConfigError(f"--load: {path} holds a model of another shape ({differs})")
-                    error.agreed = collective  # every rank reads the same file: printed once
-                    raise error
+                error = ""
+                try:
+                    saved = torch_dist.saved_common(path).get("layout", {})
+                    differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
+                    if differs:
+                        error = f"--load: {path} holds a model of another shape ({differs})"
+                except ConfigError as e:  # e.g. a truncated common.pt
+                    error = str(e)
+                if collective:  # agreed: printed once, and no rank goes on alone if only some failed
+                    self._agree_or_raise(error)
+                elif error:
+                    raise ConfigError(error)
             return path
         if collective:
             error = ""
@@ -353,7 +361,9 @@ class Checkpointer:
         first = next((e for e in errors if e), f"writing {tmp} failed")
         kept = committed_checkpoints(self.save_root)
         kept_note = f"{kept[-1][1].name} is the latest checkpoint" if kept else "no earlier checkpoint"
-        raise ConfigError(f"--save: {first}; removed {tmp.name}, {kept_note}")
+        error = ConfigError(f"--save: {first}; removed {tmp.name}, {kept_note}")
+        error.agreed = True  # every rank raises this same line: rank 0 prints it, once
+        raise error
 
     # -- load ---------------------------------------------------------------------------
     def load(self, path: pathlib.Path, stateful: dict) -> int:
@@ -395,8 +405,7 @@ class Checkpointer:
             try:
                 payload = torch.load(file, map_location="cpu", weights_only=False)
             except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
-                error = (f"--load: {file} is not a readable checkpoint on rank {self.rank} "
-                         f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})")
+                error = f"--load: {file} is not a readable checkpoint on rank {self.rank} ({brief(e)})"
         self._agree_or_raise(error)
         self._compare_layout(payload.get("layout", {}), path)
         for name, obj in stateful.items():

@@ -17,6 +17,8 @@ import pathlib
 import re
 import shutil
 
+from loco_megatron.config import brief
+
 LATEST = "latest_checkpointed_iteration.txt"
 COMMITTED = re.compile(r"iter_(\d{7})")
 SIDECAR = "sha256.rank_{rank:05d}.json"
@@ -59,7 +61,7 @@ def cause(e: BaseException, where: pathlib.Path) -> str:
     inline_container.cc:672] . unexpected pos 704 vs 598'), so look at the free space too."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror.lower()
-    text = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    text = brief(e)
     if "no space left on device" in text.lower():
         return "no space left on device"
     try:
@@ -148,8 +150,7 @@ def read_json(path: pathlib.Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        reason = str(e).splitlines()[0][:80]
-        raise ValueError(f"{path} is not valid JSON ({reason}; a truncated or damaged file?)") from None
+        raise ValueError(f"{path} is not valid JSON ({brief(e)}; a truncated or damaged file?)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object (a damaged file?)")
     return data

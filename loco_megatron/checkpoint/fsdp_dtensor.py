@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from loco_megatron.checkpoint import agreed_save, files, torch_dist
 from loco_megatron.checkpoint.rng import rng_state
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, brief
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 
 FORMAT = "fsdp_dtensor"
@@ -173,9 +173,7 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(folder)))
     except (Exception, torch_dist.checkpoint_exception()) as e:  # noqa: BLE001 - one line, whatever DCP raised
-        text = str(e).strip().splitlines()
-        raise ConfigError(f"--load: {folder} could not be loaded "
-                          f"({text[0][:160] if text else type(e).__name__})") from None
+        raise ConfigError(f"--load: {folder} could not be loaded ({brief(e)})") from None
     loaded = {**common, "optimizer": request["optimizer"]}
     if same:
         for name in (*(n for n in stateful if n in torch_dist.PER_RANK), "rng"):

@@ -34,8 +34,12 @@ is read.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pathlib
+import re
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -43,7 +47,7 @@ import torch.distributed as dist
 
 from loco_megatron.checkpoint import diloco, files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, brief
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 from loco_megatron.training.children import become_helper, stop_signals_blocked
 
@@ -80,8 +84,7 @@ def saved_common(path: pathlib.Path) -> dict:
             return TorchCommonLoadStrategy().load_common(str(path))
         return dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
-        raise ConfigError(f"--load: {path / 'common.pt'} is not a readable checkpoint "
-                          f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+        raise ConfigError(f"--load: {path / 'common.pt'} is not a readable checkpoint ({brief(e)})") from None
 
 
 def _per_rank(key: str, data, rank: int, world: int):
@@ -133,6 +136,16 @@ def common_state(stateful: dict, layout_key: dict, run_config: Optional[dict], i
     return out
 
 
+class WorkerErrorLogFilter(logging.Filter):
+    """Drops megatron's log line "Local process N encountered an error: ..." (N numbers this
+    rank's writer processes: every rank has a "Local process 0"), one per failing rank on
+    the console: the failure reaches the ranks' agreement, and the run ends with one line
+    naming the ranks, the file and the reason. megatron's other log lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Local process ")
+
+
 def start_writer_manager_detached() -> None:
     """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
     process) to collect write results; megatron starts it at the first save. Start it here
@@ -140,16 +153,29 @@ def start_writer_manager_detached() -> None:
     SIGKILLed the orphaned manager keeps the launcher's pipes open, so whatever waits for
     their end (a supervisor, a restart test) hangs; (2) as a helper of the rank
     (:mod:`loco_megatron.training.children`): it does not outlive its rank, and it ignores
-    the SIGTERM that asks the rank for a stop save, which needs it."""
+    the SIGTERM that asks the rank for a stop save, which needs it. Called before every
+    save (none is in flight then): it also drops a result left in the queue by an abandoned
+    --async-save write (finished, never finalized), which the next write's finalize would
+    take for its own (a success hiding this write's failure, or the old write's file
+    offsets in the new .metadata), and quiets megatron's per-writer error log lines
+    (:class:`WorkerErrorLogFilter`)."""
     import multiprocessing as mp
+    import queue
     import sys
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     check_megatron_core_version()  # private module state below: refuse untested versions
+    worker_log = logging.getLogger(filesystem_async.__name__)
+    if not any(isinstance(f, WorkerErrorLogFilter) for f in worker_log.filters):
+        worker_log.addFilter(WorkerErrorLogFilter())  # before the writers fork: they inherit it
     if filesystem_async._results_queue is not None:
-        return
+        while True:
+            try:
+                filesystem_async._results_queue.get_nowait()
+            except queue.Empty:
+                return
     sys.stdout.flush()
     sys.stderr.flush()
     saved, null = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
@@ -167,6 +193,18 @@ def start_writer_manager_detached() -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def sharded_tensor_warning_ignored():
+    """Only during a load: megatron-core's loader goes through torch's deprecated
+    ShardedTensor, which warns "Please use DTensor instead and we are deprecating
+    ShardedTensor." (a FutureWarning) on every rank at every load; it is about megatron's
+    internals, nothing a user can act on, so exactly that warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                                category=FutureWarning)
+        yield
+
+
 def checkpoint_exception() -> type:
     """DCP's exception type: it derives from BaseException, so ``except Exception`` misses it."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -175,21 +213,26 @@ def checkpoint_exception() -> type:
 
 
 def describe_write_failure(e: BaseException, folder: pathlib.Path) -> str:
-    """One line for a failed shard write. DCP's CheckpointException (a BaseException, so
-    ``except Exception`` misses it) carries {rank: exception} on the coordinator only; the
-    other ranks get an empty one ("" here) and the caller's agreement picks rank 0's line."""
+    """One line for a failed shard write, naming every rank whose write failed (a full disk
+    fails them all) and the first one's reason. DCP's CheckpointException (a BaseException,
+    so ``except Exception`` misses it) carries {rank: exception} on the coordinator only;
+    the other ranks get an empty one ("" here) and the caller's agreement picks rank 0's line."""
     failures = getattr(e, "failures", None)
     if failures:
-        rank, exc = sorted(failures.items())[0]
+        ranks = sorted(failures)
+        exc = failures[ranks[0]]
         exc = exc[0] if isinstance(exc, tuple) else exc  # (exception, traceback) when wrapped
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         if isinstance(exc, OSError) and exc.filename:
-            return f"writing {exc.filename} failed on rank {rank} ({files.cause(exc, folder)})"
+            if len(ranks) == 1:
+                return f"writing {exc.filename} failed on {who} ({files.cause(exc, folder)})"
+            return f"writing {folder} failed on {who} (rank {ranks[0]}: {exc.filename}: {files.cause(exc, folder)})"
         # megatron's writer reports a worker's OSError as RuntimeError("Worker failure: <it>"),
         # whose text (errno, reason and file) is all that survives the gather to rank 0.
-        text = str(exc).splitlines()[0].removeprefix("Worker failure: ") if str(exc) else type(exc).__name__
+        text = brief(exc).removeprefix("RuntimeError: Worker failure: ")
         reason = files.cause(exc, folder)  # e.g. a full disk that torch's zip writer reports without errno
         note = f" ({reason})" if reason.lower() not in text.lower() else ""
-        return f"writing {folder} failed on rank {rank}: {text}{note}"
+        return f"writing {folder} failed on {who}: {text}{note}"
     if failures is not None:
         return ""
     return f"writing {folder} failed on rank {dist.get_rank()} ({files.cause(e, folder)})"
@@ -242,12 +285,16 @@ def verify(folder: pathlib.Path, rank: int, world: int) -> None:
 
 def agree_or_raise(error: str) -> None:
     """Collective: every rank raises the first (lowest rank's) ``error`` as one ConfigError,
-    marked agreed (so rank 0 alone prints it), or none does."""
+    marked agreed (so rank 0 alone prints it), or none does. When only some ranks found it
+    (e.g. a file that differs between nodes) and the line names no rank, it says which."""
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        agreed = ConfigError(first)
+    found = [rank for rank, e in enumerate(errors) if e]
+    if found:
+        line = errors[found[0]]
+        if len(found) < len(errors) and not re.search(r"\brank \d", line):
+            line += f" (on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))} of {len(errors)})"
+        agreed = ConfigError(line)
         agreed.agreed = True
         raise agreed
 
@@ -267,10 +314,10 @@ def load(folder: pathlib.Path, stateful: dict, layout_key: dict, log: Callable[[
     request = state_dict(stateful, layout_key, None, 0, is_loading=True, per_rank=same, saved=common)
     error, loaded = "", None
     try:
-        loaded = dist_checkpointing.load(request, str(folder))
+        with sharded_tensor_warning_ignored():
+            loaded = dist_checkpointing.load(request, str(folder))
     except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - one line, whatever megatron/DCP raised
-        error = (f"--load: {folder} could not be loaded "
-                 f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})")
+        error = f"--load: {folder} could not be loaded ({brief(e)})"
     agree_or_raise(error)  # DCP raises on every rank: one line, printed once
     stateful["model"].load_sharded_state_dict(loaded)
     restore(folder, stateful, loaded, saved_layout, layout_key, log)

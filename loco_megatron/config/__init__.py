@@ -6,7 +6,7 @@ dataclasses, so a field's docstring *is* its ``--help``. One module per concern;
 :class:`Config` (in :mod:`.run`) holds them all and checks what spans several.
 """
 
-from loco_megatron.config.base import ALTERNATIVES, ConfigError, one_line, require
+from loco_megatron.config.base import ALTERNATIVES, ConfigError, brief, one_line, require
 from loco_megatron.config.model import ModelConfig
 from loco_megatron.config.parallel import ParallelConfig
 from loco_megatron.config.data import DataConfig
@@ -18,4 +18,4 @@ from loco_megatron.config.checkpoint import CheckpointConfig
 from loco_megatron.config.logger import LoggingConfig
 from loco_megatron.config.run import Config
 
-__all__ = ["ALTERNATIVES", "ConfigError", "one_line", "require", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "LoCoConfig", "DiLoCoConfig", "CheckpointConfig", "LoggingConfig", "Config"]
+__all__ = ["ALTERNATIVES", "ConfigError", "brief", "one_line", "require", "ModelConfig", "ParallelConfig", "DataConfig", "OptimizerConfig", "TrainConfig", "LoCoConfig", "DiLoCoConfig", "CheckpointConfig", "LoggingConfig", "Config"]

@@ -4,6 +4,7 @@ fixed set of values, and the flags that replace each other."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 
@@ -15,6 +16,27 @@ def one_line(e: BaseException) -> str:
     """``e``'s whole message on one line (line breaks and runs of spaces become one space),
     or its type's name when it has none: a library's error shown in full, never cut."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\[])")
+"""Where a sentence ends in an error message: a full stop (or ! ?) and a space before a
+capital or a bracket; not the dots inside a path or a number (``common.pt``, ``2.00 GiB``)."""
+
+
+def brief(e: BaseException, limit: int = 200) -> str:
+    """``e`` for a one-line error: ``Type: first sentence`` (torch's "PytorchStreamReader
+    failed reading zip archive: failed finding central directory. This is an internal miniz
+    error. If you are seeing..." keeps its first sentence), or the type's name when it has no
+    message. A first sentence over ``limit`` characters ends at the first space after it,
+    with " ...": a word, a path or a number is never cut in two."""
+    text = " ".join(str(e).split())
+    if not text:
+        return type(e).__name__
+    sentence = _SENTENCE_END.split(text, 1)[0].rstrip(".")
+    cut = sentence.find(" ", limit)
+    if cut != -1:
+        sentence = sentence[:cut] + " ..."
+    return f"{type(e).__name__}: {sentence}"
 
 
 ALTERNATIVES = {"lr_warmup_iters": ("lr_warmup_fraction", None), "lr_warmup_fraction": ("lr_warmup_iters", 0)}

@@ -14,7 +14,8 @@ class DataConfig:
     """Megatron indexed dataset(s) (PREFIX.bin/PREFIX.idx): 'PREFIX', 'P1 P2' (weighted by
     size) or 'W1 P1 W2 P2' (a blend drawn in proportion to the weights). None = the built-in corpus."""
     tokenizer_model: Optional[str] = None
-    """The tokenizer (required with --data-path): a sentencepiece .model file, or with
+    """The tokenizer the --data-path (or --train-data-path) dataset was made with, and only
+    with one (the built-in corpus has its own tokenizer): a sentencepiece .model file, or with
     --tokenizer-type HuggingFaceTokenizer a Hugging Face tokenizer folder, its tokenizer.json
     or a hub name."""
     tokenizer_type: str = choice("SentencePieceTokenizer", ("SentencePieceTokenizer", "HuggingFaceTokenizer"))
@@ -54,6 +55,12 @@ class DataConfig:
         ok = len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
         require(ok and sum(float(p) for p in parts) > 0, "split",
                  f"'{self.split}' is not three comma-separated non-negative weights")
+        if self.data_path is None and self.train_data_path is None:
+            # Without a dataset the run trains on the built-in corpus with that corpus's own
+            # tokenizer: a --tokenizer-model would be ignored (and a typo'd one unnoticed).
+            require(self.tokenizer_model is None, "tokenizer_model",
+                    f"{self.tokenizer_model} is given without --data-path, and the built-in corpus uses its "
+                    "own tokenizer: give the dataset made with it (--data-path PREFIX), or drop --tokenizer-model")
         if self.data_path is not None:
             require(self.tokenizer_model is not None, "tokenizer_model", "is required with --data-path")
         if self.train_data_path is not None or self.valid_data_path is not None:

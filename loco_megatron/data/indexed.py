@@ -67,11 +67,11 @@ def write_token_documents(documents: Iterable, vocab_size: int, prefix: str, pro
     return n_tokens
 
 
-def check_dataset_files(prefix: str) -> None:
-    """ConfigError (one line) unless ``prefix``.bin and ``prefix``.idx exist."""
+def check_dataset_files(prefix: str, flag: str = "--data-path") -> None:
+    """ConfigError (one line naming ``flag``) unless ``prefix``.bin and ``prefix``.idx exist."""
     for ext in (".bin", ".idx"):
         if not pathlib.Path(prefix + ext).is_file():
-            raise ConfigError(f"--data-path: {prefix + ext} does not exist")
+            raise ConfigError(f"{flag}: {prefix + ext} does not exist")
 
 
 def check_indexed_dataset(prefix: str, tokenizer, tokenizer_model: Optional[str],

@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-import re
 import tempfile
 from typing import Optional
 
 import torch
 
-from loco_megatron.checkpoint import files
-from loco_megatron.config import Config, ConfigError
+from loco_megatron.checkpoint import files, torch_dist
+from loco_megatron.config import Config, ConfigError, brief
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -84,11 +83,15 @@ def read_run_config(path: pathlib.Path) -> Config:
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:
-        raise ConfigError(f"--load: {path / 'common.pt'} cannot be read ({_first_line(e)})") from None
+        raise ConfigError(f"--load: {path / 'common.pt'} cannot be read ({brief(e)})") from None
     saved = common.get("config") if isinstance(common, dict) else None
     if not isinstance(saved, dict):
         raise ConfigError(f"--load: {path / 'common.pt'} has no 'config' entry: not written by loco-megatron")
     flat = {k: v for section in saved.values() if isinstance(section, dict) for k, v in section.items()}
+    if flat.get("data_path") is None and flat.get("train_data_path") is None:
+        # A run on the built-in corpus used that corpus's tokenizer whatever --tokenizer-model
+        # said: a config saved by a version that accepted (and ignored) one still loads.
+        flat.pop("tokenizer_model", None)
     try:
         return make_config(flat)
     except ConfigError as e:
@@ -121,7 +124,7 @@ def embedding_rows(path: pathlib.Path) -> tuple[int, bool]:
     try:
         meta = dist_checkpointing.load_tensors_metadata(str(path))
     except Exception as e:
-        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({_first_line(e)})") from None
+        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({brief(e)})") from None
     for key, tensor in meta.items():
         if key.endswith(_EMBEDDING):
             return tensor.global_shape[0], key.startswith("module.")
@@ -143,7 +146,7 @@ def model_source(path: pathlib.Path, replica: Optional[int] = None) -> tuple[str
     try:
         keys = dist_checkpointing.load_tensors_metadata(str(path)).keys()
     except Exception as e:
-        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({_first_line(e)})") from None
+        raise ConfigError(f"--load: {path / 'metadata.json'} cannot be read ({brief(e)})") from None
     prefixes = {k.split(".", 2)[1] for k in keys if k.startswith("diloco.")}
     if replica is not None:
         held = 1 + max((int(p[len("replica"):]) for p in prefixes if re.fullmatch(r"replica\d+", p)), default=0)
@@ -197,14 +200,15 @@ def loaded_model(path: pathlib.Path, config: Config, rows: int, ddp_prefix: bool
             if source:  # DiLoCo's agreed model or another replica's: the same tensors under a prefix
                 _read_from(sharded, source)
             try:
-                loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
+                with torch_dist.sharded_tensor_warning_ignored():
+                    loaded = dist_checkpointing.load({"model": sharded}, str(path))["model"]
             except CheckpointException as e:
                 inner = next(iter(e.failures.values()), e)  # (exception, traceback) per rank
                 inner = inner[0] if isinstance(inner, tuple) else inner
                 raise ConfigError(f"--load: a shard file (__*.distcp) in {path} is damaged or truncated "
-                                  f"({_first_line(inner)})") from None
+                                  f"({brief(inner)})") from None
             except Exception as e:
-                raise ConfigError(f"--load: {path} cannot be read ({_first_line(e)})") from None
+                raise ConfigError(f"--load: {path} cannot be read ({brief(e)})") from None
             prefix = "module." if ddp_prefix else ""
             loaded = {k[len(prefix):]: v for k, v in loaded.items()}
             model.load_state_dict(loaded, strict=True)
@@ -228,7 +232,3 @@ def _read_from(sharded: dict, prefix: str) -> None:
 
     dict_list_map_inplace(rename, sharded)
 
-
-def _first_line(e: Exception) -> str:
-    text = re.sub(r"\s+", " ", str(e)).strip()
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

@@ -13,6 +13,10 @@ imported where it runs, which a real start requires.
 
 from __future__ import annotations
 
+import pathlib
+import re
+from typing import NamedTuple, Optional
+
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.hub import InputNotHere
 from loco_megatron.data.tokenizer import load_tokenizer
@@ -22,6 +26,55 @@ from loco_megatron.training.memory_estimate import estimate, estimate_line
 # loco_megatron.model and .summary import torch (seconds on a busy machine): they are imported
 # where used, after the checks that need neither, so a bad layout or a missing tokenizer is
 # one line at once.
+
+
+class DryRunWorld(NamedTuple):
+    """The world size a dry run checks, and where it came from."""
+
+    world_size: int
+    source: str
+    """For the report's first line: "" (--world-size gave it), or e.g. "no --world-size:
+    configs/llama2_7b.yaml names 2 nodes x 8 GPUs in its header"."""
+
+
+GEOMETRY = re.compile(r"^# (GPUs|CPU): (\d+) (nodes?) x (\d+)", re.M)
+"""A config's header line naming the machines it is written for: ``# GPUs: 2 nodes x 8 (...)``
+or ``# CPU: 1 node x 2 ranks (...)``."""
+
+
+def header_world_size(path: str) -> Optional[tuple[int, str]]:
+    """(ranks, how the header says them: "2 nodes x 8 GPUs") from the leading comment block
+    of the config file at ``path`` (every file in configs/ has one), or None without such a line."""
+    head = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        head.append(line)
+    found = GEOMETRY.search("\n".join(head))
+    if found is None:
+        return None
+    kind, nodes, node_word, per_node = found.groups()
+    return int(nodes) * int(per_node), f"{nodes} {node_word} x {per_node} {'GPUs' if kind == 'GPUs' else 'CPU ranks'}"
+
+
+def dry_run_world(given: Optional[int], launched: Optional[int], config_path: str, shown: str) -> DryRunWorld:
+    """--world-size (``given``), else $WORLD_SIZE (``launched``: a dry run under torchrun),
+    else the machines the header of the config file at ``config_path`` (named ``shown``)
+    names. None of them: the dry run would check a world size nobody chose (world 1 passes
+    layouts that fail on the real job, and compresses nothing), so it is refused in one line."""
+    if given is not None:
+        world, source = given, ""
+    elif launched is not None:
+        world, source = launched, "$WORLD_SIZE"
+    else:
+        header = header_world_size(config_path)
+        if header is None:
+            raise ConfigError(f"--world-size: a dry run needs the number of ranks to check: give --world-size N "
+                              f"({shown} names none in a '# GPUs: N nodes x G' header line)")
+        world, source = header[0], f"no --world-size: {shown} names {header[1]} in its header"
+    if world < 1:
+        raise ConfigError(f"--world-size: {world} must be >= 1")
+    return DryRunWorld(world, source)
 
 
 def check_layout(config: Config, world_size: int) -> tuple[int, int]:
@@ -63,21 +116,39 @@ def dry_run_vocab(config: Config, offline: bool = False) -> tuple[int, str]:
     return pieces, f"{pieces} from {d.tokenizer_model}"
 
 
-def dry_run(config: Config, world_size: int, offline: bool = False) -> str:
+def compresses_nothing(config: Config, dp: int, expert_dp: int) -> bool:
+    """Whether LoCo would find no gradient to compress: every group it reduces over is one
+    rank (the dense data-parallel group inside a DiLoCo replica, and the expert one), as its
+    gradient hook decides at a real start. Under Megatron-FSDP LoCo compresses the reduction
+    across --num-distributed-optimizer-instances, which the config requires to be > 1."""
+    if config.parallel.use_megatron_fsdp:
+        return False
+    replicas = config.diloco.diloco_replicas or 1
+    return dp // replicas <= 1 and (expert_dp or replicas) // replicas <= 1
+
+
+def dry_run(config: Config, world_size: int, offline: bool = False, world_source: str = "") -> str:
     """The dry run's report (raises ConfigError, one line, for an impossible layout or an
-    unreadable tokenizer; ``offline``: HF_HUB_OFFLINE, see :func:`dry_run_vocab`)."""
+    unreadable tokenizer; ``offline``: HF_HUB_OFFLINE, see :func:`dry_run_vocab`;
+    ``world_source``: where ``world_size`` came from when not from --world-size, said in
+    the first line)."""
     dp, expert_dp = check_layout(config, world_size)
     vocab, source = dry_run_vocab(config, offline)
     from loco_megatron.model import check_transformer_engine, padded_vocab_size
-    from loco_megatron.training.summary import batch_line, layout_line, loco_settings, model_line
+    from loco_megatron.training.summary import (batch_line, layout_line, loco_compresses_nothing, loco_settings,
+                                                model_line)
 
     padded = padded_vocab_size(vocab, config.parallel.tensor_model_parallel_size)
+    loco = "LoCo: off"
+    if config.loco.enabled:
+        loco = loco_compresses_nothing(config) if compresses_nothing(config, dp, expert_dp) else loco_settings(config)
+    world = f"world size {world_size}" + (f" ({world_source})" if world_source else "")
     lines = [
-        f"dry run: the config and the layout for world size {world_size} are valid; no process was started",
+        f"dry run: the config and the layout for {world} are valid; no process was started",
         model_line(config, padded, f", vocabulary {source}"),
         layout_line(config, world_size, dp, expert_dp),
         batch_line(config, dp),
-        loco_settings(config) if config.loco.enabled else "LoCo: off",
+        loco,
         *([describe(config, world_size)] if config.diloco.enabled else []),
         estimate_line(estimate(config, world_size, vocab)),
     ]

@@ -74,6 +74,13 @@ def loco_settings(config: Config) -> str:
             f"{lc.loco_warmup_iters} steps")
 
 
+def loco_compresses_nothing(config: Config, gradients: str = "gradients") -> str:
+    """The LoCo line of a run (or dry run) in which no data-parallel group has more than one
+    rank: LoCo is on, but nothing leaves a rank, so nothing is compressed."""
+    return (f"{loco_settings(config)}; no data-parallel group of more than one rank here, so nothing is "
+            f"compressed: {gradients} are synced exactly")
+
+
 def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_size: int,
                     kernels_why: Optional[str] = None, compressed: Optional[int] = None) -> str:
     """Lines describing the run (for rank 0's console); ``chunks`` are this rank's DDP
@@ -92,8 +99,7 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         batch_line(config, layout.dp_size),
     ]
     if lc.enabled and compressed == 0:
-        lines.append(f"{loco_settings(config)}; no data-parallel group of more than one rank here, so nothing is "
-                     f"compressed: gradients ({raw / 2**20:.2f} MiB on rank 0) are synced exactly")
+        lines.append(loco_compresses_nothing(config, f"gradients ({raw / 2**20:.2f} MiB on rank 0)"))
     elif lc.enabled:
         sent = numel * lc.loco_bits // 8 + 4 * -(-numel // lc.loco_block_size)
         lines.append(
