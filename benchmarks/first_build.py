@@ -31,13 +31,14 @@ def cores() -> int:
 
 
 def why_busy(load: float, n_cores: int, nice: int, max_per_core: float) -> str | None:
-    """Why this is not a quiet machine at normal priority (one phrase), or None."""
+    """Why this is not a quiet machine at normal priority (each reason, one line), or None."""
+    why = []
     if nice > 0:
-        return f"this process runs at nice {nice}, the figure is for normal priority (nice 0)"
+        why.append(f"this process runs at nice {nice}, the figure is for normal priority (nice 0)")
     if load > max_per_core * n_cores:
-        return (f"the load average is {load:.2f} on {n_cores} cores, above {max_per_core} per core; "
-                f"the figure is for a quiet machine")
-    return None
+        why.append(f"the load average is {load:.2f} on {n_cores} cores, above {max_per_core} per core, "
+                   f"the figure is for a quiet machine")
+    return "; ".join(why) or None
 
 
 def compilers_cpu_s() -> float:
