@@ -41,7 +41,7 @@ def main() -> int:
     # heavy imports after parsing (tens of seconds on a loaded machine: said, not silent)
     say = (lambda line: print(line, flush=True)) if env.rank == 0 else None
     with progress("importing torch and megatron-core", say):
-        from loco_megatron.training.children import die_with_parent
+        from loco_megatron.children import die_with_parent
         from loco_megatron.training.health import RunAborted
         from loco_megatron.training.trainer import train
         from torch.distributed.elastic.multiprocessing.errors import record

@@ -105,7 +105,7 @@ def _probe(out: str, argv: list) -> None:
 
     from loco_megatron.checkpoint import Checkpointer, dist_optimizer
     from loco_megatron.cli import main_config
-    from loco_megatron.training.state import sub_optimizers
+    from loco_megatron.optimizer import sub_optimizers
     from loco_megatron.training.trainer import train
 
     warnings.filterwarnings("ignore")

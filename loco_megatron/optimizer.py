@@ -5,6 +5,12 @@ from __future__ import annotations
 from loco_megatron.config import Config
 
 
+def sub_optimizers(optimizer) -> list:
+    """The optimizers inside megatron's: a ChainedOptimizer (dense + expert) lists its parts,
+    a single optimizer is its own one part."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def build_optimizer(config: Config, model_chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

@@ -50,14 +50,25 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
+def on_terminal(pytestconfig):
+    """A context in which what this process prints reaches the terminal also under pytest's
+    capture (``-q`` captures stdout and stderr at the file descriptors): for a wait of
+    minutes, which would otherwise look hung."""
+    return pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled()
+
+
 @pytest.fixture(scope="session")
-def cpu_kernels_built():
-    """The C++ CPU kernels, built here first: a run with --loco-kernels auto on an unbuilt
-    cache trains on torch while they build in the background, so a test that expects auto
-    to pick them asks for this."""
+def cpu_kernels_built(pytestconfig):
+    """The C++ CPU kernels, built in this process first, at its priority: a run with
+    --loco-kernels auto on an unbuilt cache trains on torch while they build in the
+    background (niced), so a test that expects auto to pick them, or runs them in a
+    subprocess whose time limit cannot hold a first build, asks for this. A build already
+    running gets this process's priority while it is waited for, and the wait says so
+    on the terminal every 20 s (loco_megatron/loco/build_lock.py)."""
     from loco_megatron.loco import cpu_kernels
 
-    built = cpu_kernels.extension()
+    with on_terminal(pytestconfig):
+        built = cpu_kernels.extension()
     assert built is not None, "the C++ CPU kernels did not build on this machine"
     return built
 

@@ -397,3 +397,15 @@ def test_paired_gaps_pick_the_tuned_lr_on_the_sweep_seeds_and_pair_by_seed():
     assert paired.verdict(0.1, 0.2).startswith("tie") and paired.verdict(0.3, 0.2) == "beyond the spread"
     table = "\n".join(paired.gap_table(finals, ["ref", "a"], "ref", {}))
     assert "| a (1) |" in table and "beyond the spread" in table
+
+
+
+def test_first_build_refuses_to_measure_a_niced_or_busy_build():
+    """Guards against benchmarks/first_build.py printing a first-build time measured niced
+    or on a busy machine as if it were the quiet machine's figure the docs quote: run
+    under ``nice`` it measures nothing, exits 2 with one line naming why, before building."""
+    proc = subprocess.run(["nice", "-n", "1", sys.executable, "benchmarks/first_build.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("first_build.py: error: this process runs at nice ") and "--busy-ok" in lines[0]

@@ -14,7 +14,7 @@ from conftest import REPO
 # forks a helper the way megatron's FileSystemWriterAsync does, prints its pid and waits.
 RANK = textwrap.dedent("""
     import multiprocessing as mp, signal, sys, time
-    from loco_megatron.training.children import die_with_parent
+    from loco_megatron.children import die_with_parent
     if sys.argv[1] == "hook":
         assert die_with_parent()
     signal.signal(signal.SIGTERM, lambda *a: None)  # the rank's "stop after this step" flag
@@ -67,7 +67,7 @@ def test_helpers_ignore_the_stop_signals_and_die_with_the_rank():
     both survive SIGTERM/SIGUSR1/SIGINT and still go when their rank is SIGKILLed."""
     code = textwrap.dedent("""
         import multiprocessing as mp, os, signal, sys, time
-        from loco_megatron.training.children import die_with_parent
+        from loco_megatron.children import die_with_parent
         from loco_megatron.checkpoint import torch_dist
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         die_with_parent()

@@ -20,10 +20,8 @@ from test_triton_kernels import _inputs
 
 
 @pytest.fixture(scope="module")
-def ext():
-    built = cpu_kernels.extension()
-    assert built is not None, "the C++ CPU kernels did not build on this machine"
-    return built
+def ext(cpu_kernels_built):
+    return cpu_kernels_built
 
 
 def _state(n: int, nblocks: int):
@@ -189,7 +187,7 @@ def test_kernel_selection_and_fallback(ext, capsys):
         ("torch", "--loco-kernels cpu needs a --loco-block-size that is a multiple of 8 up to 8192, got 16384")
 
 
-def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatch):
+def test_training_with_cpu_kernels_matches_torch(cache_dir, tmp_path, monkeypatch, cpu_kernels_built):
     """Guards against a wiring bug between the C++ kernels and megatron's buckets (2-rank
     training with --loco-kernels cpu must give exactly the torch path's losses: codes,
     scales, error and sums are bit-identical), and against a missing compiler stopping

@@ -81,10 +81,8 @@ def _assert_same(ref, got, tag):
 
 
 @pytest.fixture(scope="module")
-def ext():
-    built = cpu_kernels.extension()
-    assert built is not None, "the C++ CPU kernels did not build on this machine"
-    return built
+def ext(cpu_kernels_built):
+    return cpu_kernels_built
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
@@ -208,7 +206,7 @@ _TRAIN = TINY + ["--train-iters", "4", "--lr-decay-iters", "4", "--param-gather-
 
 
 @pytest.mark.parametrize("extra", [["--loco-bits", "4"], ["--loco-bits", "4", "--bf16"]], ids=["fp32", "bf16"])
-def test_training_on_the_fused_apply_matches_torch(cache_dir, tmp_path, extra):
+def test_training_on_the_fused_apply_matches_torch(cache_dir, tmp_path, extra, cpu_kernels_built):
     """Guards against a wiring bug between the fused C++ apply and the gather (the own
     shard's spare and model copy, the other shards in place, the metric norms): 2-rank
     training with --param-gather-bits 4 on --loco-kernels cpu gives exactly the torch

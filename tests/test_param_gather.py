@@ -162,7 +162,7 @@ _KERNEL_CASES = [(8, QuantOptions()), (4, QuantOptions()), (2, TWO_BIT),
                  (2, QuantOptions("symmetric", "absmax", "none", "stochastic", seed=5))]
 
 
-def test_cpu_kernels_encode_and_decode_bit_identical():
+def test_cpu_kernels_encode_and_decode_bit_identical(cpu_kernels_built):
     """Guards against the fused C++ path of the parameter all-gather (used on CPU) differing
     from the reference by a single bit: ranks mixing the two, or a resume switching
     between them, would break the agreed-parameter invariant. Covers a ragged last block,

@@ -104,7 +104,7 @@ def test_param_gather_goes_through_the_recorded_collectives(cache_dir, tmp_path,
     assert buckets > 1 and len(gathers) == 2 * buckets, (buckets, gathers)
 
 
-def test_two_bit_fused_matches_torch_and_resumes_bit_exact(cache_dir, tmp_path):
+def test_two_bit_fused_matches_torch_and_resumes_bit_exact(cache_dir, tmp_path, cpu_kernels_built):
     """Guards against --param-gather-bits 2 (the gradients' 2-bit options, here with
     stochastic rounding) differing between the fused C++ kernels and the torch reference
     (ranks or a resume mixing them would break the agreed parameters), against the

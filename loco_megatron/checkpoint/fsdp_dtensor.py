@@ -41,6 +41,7 @@ from loco_megatron.checkpoint import agreed_save, files, torch_dist
 from loco_megatron.checkpoint.rng import rng_state
 from loco_megatron.config import ConfigError, brief
 from loco_megatron.loco.hooks.version import check_megatron_core_version
+from loco_megatron.optimizer import sub_optimizers
 
 FORMAT = "fsdp_dtensor"
 _SHARDING = {"distrib_optim_sharding_type": FORMAT}
@@ -70,12 +71,6 @@ def _unpacked(value):
         value.seek(0)
         return torch.load(value, weights_only=False)
     return value
-
-
-def _sub_optimizers(stateful: dict) -> list:
-    from loco_megatron.training.state import sub_optimizers
-
-    return sub_optimizers(stateful["optimizer"].optimizer)
 
 
 def _every_param(opt, osd: dict) -> dict:
@@ -109,7 +104,7 @@ def sharded_state(stateful: dict, layout_key: dict, is_loading: bool, per_rank: 
     assert len(chunks) == 1, "Megatron-FSDP runs one model chunk (no pipeline stages)"
     sd = {"model": chunks[0].module.state_dict(),
           "optimizer": {str(i): _every_param(opt, opt.sharded_state_dict(None, is_loading, metadata=dict(_SHARDING)))
-                        for i, opt in enumerate(_sub_optimizers(stateful))}}
+                        for i, opt in enumerate(sub_optimizers(stateful["optimizer"].optimizer))}}
     if per_rank:
         for name, obj in stateful.items():
             if name in torch_dist.PER_RANK:

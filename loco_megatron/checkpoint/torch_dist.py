@@ -49,7 +49,7 @@ from loco_megatron.checkpoint import diloco, files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.config import ConfigError, brief
 from loco_megatron.loco.hooks.version import check_megatron_core_version
-from loco_megatron.training.children import become_helper, stop_signals_blocked
+from loco_megatron.children import become_helper, stop_signals_blocked
 
 PER_RANK = ("loco", "param_gather", diloco.NAME)
 """Registered states whose content depends on the parallel layout (one object per rank;
@@ -152,7 +152,7 @@ def start_writer_manager_detached() -> None:
     instead, (1) with /dev/null as stdout/stderr: it inherits them, and when a rank is
     SIGKILLed the orphaned manager keeps the launcher's pipes open, so whatever waits for
     their end (a supervisor, a restart test) hangs; (2) as a helper of the rank
-    (:mod:`loco_megatron.training.children`): it does not outlive its rank, and it ignores
+    (:mod:`loco_megatron.children`): it does not outlive its rank, and it ignores
     the SIGTERM that asks the rank for a stop save, which needs it. Called before every
     save (none is in flight then): it also drops a result left in the queue by an abandoned
     --async-save write (finished, never finalized), which the next write's finalize would

@@ -19,7 +19,6 @@ scales and decompressed sums; the stored error matches within one int8 step.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import hashlib
@@ -32,6 +31,7 @@ import torch
 
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
+from loco_megatron.loco.build_lock import LOCK_FILE, build_lock
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "loco_cpu.cpp"
@@ -105,7 +105,7 @@ def start_background_build() -> Optional[pathlib.Path]:
     ``build.log`` in :func:`build_directory`; returns that log, or None when a build of this
     folder is already running (its flock is held), which is then left to finish."""
     folder = build_directory()
-    with open(folder / "loco_build.flock", "a+") as handle:
+    with open(folder / LOCK_FILE, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -120,38 +120,15 @@ def start_background_build() -> Optional[pathlib.Path]:
     return log
 
 
-@contextlib.contextmanager
-def build_lock(build_dir: pathlib.Path):
-    """Hold an OS file lock (``flock`` on ``build_dir/loco_build.flock``) while torch builds
-    or loads the extension in ``build_dir``, and clear a stale torch build lock first.
-
-    torch's own lock is a plain file (``build_dir/lock``) created by the process that
-    builds and removed when it finishes; a build killed part-way (Ctrl-C, a job time
-    limit, an OOM kill) leaves it behind, and every later start then waits on it forever.
-    Every process of ours that builds or loads takes the flock first, and the kernel drops
-    a flock when its holder dies: so once we hold it, no live build of ours is running,
-    and a ``lock`` file left in the folder is stale. It is removed with one printed line.
-    Processes queue on the flock exactly as they would have on torch's lock (the first
-    builds, the others then only load)."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "loco_build.flock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = build_dir / "lock"
-            if stale.exists():
-                print(f"loco: removed {stale}, a build lock left by an interrupted build of the C++ kernels",
-                      file=sys.stderr, flush=True)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _build_with_torch(verbose: bool = False):
+def _build_with_torch(verbose: bool = False, background: bool = False):
+    """Build (first use) or load the module in :func:`build_directory`, under its
+    :func:`.build_lock.build_lock`; ``background``: this is the niced background build,
+    writing to ``build.log`` there (a process that needs the kernels raises its priority
+    rather than wait on it at nice 10)."""
     from torch.utils import cpp_extension
 
     folder = build_directory()
-    with build_lock(folder):
+    with build_lock(folder, background, folder / "build.log" if background else None):
         module = cpp_extension.load(name=NAME, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
                                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
         (folder / BUILT_MARK).touch()
@@ -274,11 +251,13 @@ if __name__ == "__main__":  # the background build (start_background_build)
     import os
     import time
 
-    os.nice(10)  # the training ranks beside it come first (the compilers inherit this)
+    # The training ranks beside it come first (the compilers inherit this); a process that
+    # needs the kernels now raises it to its own priority while it waits (.build_lock).
+    os.nice(10)
     t0 = time.monotonic()
     print(f"building LoCo's C++ CPU kernels in {build_directory()}", flush=True)
     try:
-        _build_with_torch(verbose=True)
+        _build_with_torch(verbose=True, background=True)
     except Exception as e:  # recorded, so that later runs neither wait for nor retry it
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         (build_directory() / FAILED_MARK).write_text(f"{reason} (log: {build_directory() / 'build.log'})\n")

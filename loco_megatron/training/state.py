@@ -6,10 +6,7 @@ import dataclasses
 
 import torch
 
-
-def sub_optimizers(optimizer) -> list:
-    """megatron returns a ChainedOptimizer (dense + expert) or a single optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+from loco_megatron.optimizer import sub_optimizers
 
 
 class ModelState:

@@ -22,10 +22,7 @@ from typing import Callable
 import torch
 
 from loco_megatron.loco.hooks.version import check_megatron_core_version
-
-
-def _sub_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+from loco_megatron.optimizer import sub_optimizers
 
 
 def scale_replica_gradients(ddp_models: list, replicas: int) -> None:
@@ -45,7 +42,7 @@ def main_shards(optimizer) -> list[list[tuple[torch.nn.Parameter, int, int, torc
     optimizer (no parameters on this rank) gives an empty list."""
     check_megatron_core_version()
     out = []
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         pairs = []
         if not getattr(opt, "is_stub_optimizer", False):
             for gbuf_range_maps in opt.gbuf_ranges:
@@ -64,7 +61,7 @@ def run_in_optimizer_step(optimizer, update: Callable[[int], None]) -> None:
     """Call ``update(i)`` for sub-optimizer ``i`` in place of its inner torch step, inside
     megatron's ``step_with_ready_grads`` (see the module docstring). Every rank calls this
     at the same iterations, so the intra-replica all-gathers it issues line up."""
-    subs = _sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     for i, opt in enumerate(subs):
         if not getattr(opt, "is_stub_optimizer", False):
             opt.optimizer.step = (lambda i=i: update(i))  # an instance attribute shadows the method
