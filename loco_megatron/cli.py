@@ -66,6 +66,9 @@ class LaunchEnv:
     launcher_pid: Optional[int] = None
     """The torchrun agent that started this rank (TORCHELASTIC_RUN_ID set: it is the parent
     process), watched so the ranks stop when it dies; None without torchrun."""
+    store: Optional[tuple[str, int]] = None
+    """MASTER_ADDR and MASTER_PORT: the job's TCPStore (elastic DiLoCo's Manager uses it and
+    tells other replicas that address)."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -97,6 +100,8 @@ class LaunchEnv:
             hf_hub_offline=hf_hub_offline(environ),
             error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
             launcher_pid=os.getppid() if environ.get("TORCHELASTIC_RUN_ID") else None,
+            store=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+            if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") else None,
         )
 
 

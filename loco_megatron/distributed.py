@@ -86,7 +86,7 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
 
     from loco_megatron.diloco.layout import RANK_ORDER
 
-    p, replicas = config.parallel, config.diloco.diloco_replicas
+    p, replicas = config.parallel, config.diloco.replicas_in_world
     minutes = timeout_s / 60.0 if timeout_s else config.train.distributed_timeout_minutes
     if not dist.is_initialized():
         dist.init_process_group(

@@ -114,7 +114,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     dense_here = (total - experts) / (tp * pp)
     experts_here = experts / (etp * ep * pp)
     here = dense_here + experts_here
-    replicas = config.diloco.diloco_replicas or 1  # DiLoCo: the optimizer shards inside a replica
+    replicas = config.diloco.replicas_in_world or 1  # DiLoCo: the optimizer shards inside a replica
     shard = (dp // replicas, (expert_dp or replicas) // replicas) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
     weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)

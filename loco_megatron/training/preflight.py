@@ -123,7 +123,7 @@ def compresses_nothing(config: Config, dp: int, expert_dp: int) -> bool:
     across --num-distributed-optimizer-instances, which the config requires to be > 1."""
     if config.parallel.use_megatron_fsdp:
         return False
-    replicas = config.diloco.diloco_replicas or 1
+    replicas = config.diloco.replicas_in_world or 1
     return dp // replicas <= 1 and (expert_dp or replicas) // replicas <= 1
 
 

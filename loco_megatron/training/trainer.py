@@ -42,6 +42,10 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     # (the layout checks are the ones --dry-run makes).
     check_start(config, env.world_size)
     check_replicas(config, env.world_size, config.loco.loco_ranks_per_node or env.local_world_size)
+    if config.diloco.elastic:  # an unreachable lighthouse: one line within seconds, before any set-up
+        from loco_megatron.diloco.elastic import check_lighthouse
+
+        check_lighthouse(config.diloco.diloco_lighthouse)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
     sources = resolve_data(config, cache_dir, say_fn(env.rank == 0), env.hf_hub_offline)
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
@@ -75,7 +79,9 @@ def _loop(run: Run) -> dict:
     DiLoCo's final outer step, the save, the summary). Returns rank 0's last logged metrics."""
     config, layout, state, ckpt, t = run.config, run.layout, run.state, run.ckpt, run.config.train
     d, device = config.data, run.device
-    tokens_per_step = d.global_batch_size * config.model.seq_length
+    # (elastic DiLoCo: this job's share, one replica's of the global batch)
+    tokens_per_step = d.global_batch_size * config.model.seq_length // (
+        config.diloco.diloco_replicas if config.diloco.elastic else 1)
     last: dict = {}
     window = new_window(device, run.outer)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at, launcher_pid=run.env.launcher_pid)
@@ -129,4 +135,6 @@ def _loop(run: Run) -> dict:
         stop.restore()
         run.profiler.close()
         run.logger.close()
+        if getattr(run.outer, "coordinator", None) is not None:
+            run.outer.coordinator.shutdown()
     return last
