@@ -6,6 +6,10 @@ from __future__ import annotations
 class RunAborted(RuntimeError):
     """The run cannot usefully continue; the message is the one line to print."""
 
+    agreed = True
+    """Every rank raises it at the same step (from values all-reduced that step), so rank 0
+    prints it (:func:`loco_megatron.error_report.report_error`)."""
+
 
 class SkipGuard:
     """Counts consecutive skipped steps; raises RunAborted when ``limit`` is reached.
