@@ -12,7 +12,6 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import json
 import os
 import pathlib
 import re
@@ -26,6 +25,7 @@ import yaml
 
 from loco_megatron.config import ALTERNATIVES, Config, ConfigError
 from loco_megatron.config.base import RENAMED
+from loco_megatron.error_report import report_error
 
 if typing.TYPE_CHECKING:
     from loco_megatron.training.preflight import DryRunWorld
@@ -66,9 +66,18 @@ class LaunchEnv:
     launcher_pid: Optional[int] = None
     """The torchrun agent that started this rank (TORCHELASTIC_RUN_ID set: it is the parent
     process), watched so the ranks stop when it dies; None without torchrun."""
-    store: Optional[tuple[str, int]] = None
-    """MASTER_ADDR and MASTER_PORT: the job's TCPStore (elastic DiLoCo's Manager uses it and
-    tells other replicas that address)."""
+    store_at: Optional[tuple[str, int]] = None
+    """(MASTER_ADDR, MASTER_PORT): the TCP store of the job's process groups (``env://``);
+    None without them."""
+    agent_store: bool = False
+    """TORCHELASTIC_USE_AGENT_STORE=True (torch's default): the torchrun agent hosts that
+    store and shares it with its ranks, across restarts of the worker group; False: rank 0
+    hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launchers set) or no torchrun."""
+    restart_count: int = 0
+    """TORCHELASTIC_RESTART_COUNT: how often this rank's torchrun agent has restarted its
+    worker group (--max-restarts); 0 for the first start."""
+    agents: int = 1
+    """GROUP_WORLD_SIZE: the torchrun agents (nodes) of the job."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -100,8 +109,11 @@ class LaunchEnv:
             hf_hub_offline=hf_hub_offline(environ),
             error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
             launcher_pid=os.getppid() if environ.get("TORCHELASTIC_RUN_ID") else None,
-            store=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+            store_at=(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
             if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT") else None,
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            restart_count=as_int("TORCHELASTIC_RESTART_COUNT", 0),
+            agents=as_int("GROUP_WORLD_SIZE", 1),
         )
 
 
@@ -340,38 +352,6 @@ def _naming_the_file(error: ConfigError, path: str, from_file: set[str], given: 
     if sep and flag.startswith("--") and flag[2:].replace("-", "_") in from_file and not named & given:
         return ConfigError(f"--config: {path}, key {flag[2:]}: {why}")
     return error
-
-
-def report_error(error: ConfigError, rank: int, error_file: Optional[str] = None) -> None:
-    """Print a bad-input error once per run: every rank meets the same validation error
-    before the process group exists, so only rank 0 prints it; an error marked
-    ``per_rank`` (raised after start-up, maybe on one rank only) prints where it happened.
-    A rank that prints also writes the line to ``error_file`` (:attr:`LaunchEnv.error_file`),
-    so torchrun's failure summary names it as the root cause, not ``error_file: <N/A>``; the
-    others remove theirs (the traceback ``@record`` wrote there), so the summary shows the
-    line once and never a traceback in its place."""
-    line = f"pretrain_gpt.py: error: {error}"
-    if rank == 0 or getattr(error, "per_rank", False):
-        _stderr_line(line)
-        if error_file:
-            write_error_file(error_file, line)
-    else:
-        if error_file:
-            pathlib.Path(error_file).unlink(missing_ok=True)
-        # torchrun stops every worker when the first one exits: leave rank 0 time to print.
-        time.sleep(3.0)
-
-
-def write_error_file(path: str, line: str) -> None:
-    """``line`` as torch elastic's error file (the JSON of its ``ErrorHandler``): torchrun
-    prints ``py_callstack`` after ``traceback :`` in its summary, so it is the line alone.
-    Replaces what ``@record`` wrote there for the same exception (its Python traceback)."""
-    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": info}}, f)
-    except OSError:  # the line is printed already; the summary then says <N/A>
-        pass
 
 
 def main_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, LaunchEnv]:

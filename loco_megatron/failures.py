@@ -6,3 +6,8 @@ cycles) raises the same class."""
 
 class RunAborted(RuntimeError):
     """The run cannot usefully continue; the message is the one line to print."""
+
+    agreed = True
+    """Every rank raises it at the same step (from values agreed that step: all-reduced, or
+    an elastic DiLoCo cycle's), so rank 0 prints it
+    (:func:`loco_megatron.error_report.report_error`)."""

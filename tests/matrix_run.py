@@ -29,7 +29,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from loco_megatron.cli import main_config, report_error
+from loco_megatron.cli import main_config
+from loco_megatron.error_report import report_error
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.schedule import FragmentSchedule
 from loco_megatron.loco.collectives import CollectiveOps

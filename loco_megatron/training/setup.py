@@ -180,11 +180,11 @@ def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, 
     from loco_megatron.diloco.elastic import ElasticCoordinator
 
     d = config.diloco
-    if env.store is None:
+    if env.store_at is None:
         raise ConfigError("--diloco-lighthouse: start each replica with torchrun (its Manager needs the job's "
                           "store: MASTER_ADDR and MASTER_PORT)")
     return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas, d.diloco_min_replicas,
-                              layout.rank, layout.world_size, env.store, device, d.diloco_quorum_timeout_s,
+                              layout.rank, layout.world_size, env.store_at, device, d.diloco_quorum_timeout_s,
                               d.diloco_exchange_timeout_s, say_fn(layout.is_logging_rank))
 
 

@@ -26,6 +26,7 @@ from loco_megatron.training.setup import Run, set_up, start
 from loco_megatron.training.signals import StopRequest, decide
 from loco_megatron.training.step import train_step
 from loco_megatron.training.summary import RunTotals
+from loco_megatron.training.watchdog import watchdog_for
 
 
 def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSyncHook,
@@ -57,7 +58,8 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     config, kernels_why, build = resolve_loco_kernels(config, platform, env, say_fn(env.rank == 0))
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
-                                  env.distributed_timeout_s)
+                                  env.distributed_timeout_s, env.store_at if env.agent_store else None,
+                                  env.restart_count, env.agents)
         try:
             config, kernels_why = agree_kernels(config, asked, kernels_why, platform.device)
             run = set_up(config, env, platform, layout, sources, cache_dir, grad_sync_factory, param_sync_factory,
@@ -88,6 +90,9 @@ def _loop(run: Run) -> dict:
     totals = RunTotals(state.iteration, state.tokens_seen, state.train_time_s)
     stop.discard_stale_file()
     stop.install()
+    watchdog = watchdog_for(run.env, t, layout.rank, layout.world_size)  # a silent rank ends the job in one line
+    if watchdog:
+        watchdog.start()
     try:
         while state.iteration < t.train_iters:
             run.grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
@@ -97,6 +102,8 @@ def _loop(run: Run) -> dict:
                                 run.batches.num_microbatches, config.model.seq_length, d.micro_batch_size, device,
                                 poison=t.nan_poisoned(state.iteration + 1, layout.rank), ranges=run.profiler.ranges)
             state.iteration += 1
+            if watchdog:
+                watchdog.iteration = state.iteration
             if run.outer is not None:  # DiLoCo: the outer step, where the schedule puts one
                 run.outer.after_step(state.iteration)
             run.profiler.after_step(state.iteration)
@@ -132,6 +139,8 @@ def _loop(run: Run) -> dict:
             print(note, flush=True)
         raise
     finally:
+        if watchdog:
+            watchdog.stop()
         stop.restore()
         run.profiler.close()
         run.logger.close()
