@@ -85,7 +85,10 @@ def emit_error(message: str, error_file: Optional[str]) -> None:
     """``pretrain_gpt.py: error: {message}`` on stderr and as torchrun's error file (the
     root cause of its failure summary)."""
     line = f"pretrain_gpt.py: error: {message}"
-    print(line, file=sys.stderr, flush=True)
+    # One write: ``print`` writes the text and its newline apart on an unbuffered stderr,
+    # and another rank's line could land between them.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     if error_file:
         write_error_file(error_file, line)
 

@@ -202,6 +202,11 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
             comm, sums = take()
             it = hooks["grad"].iteration + 1
             grad_in, grad_out, param = wire.take()
+            if it == hooks.get("taken"):
+                # DiLoCo's final outer step after the last step takes the stats once more
+                # (its outer bytes): no step of its own, nothing of the grad/param wire.
+                return comm, sums
+            hooks["taken"] = it
             _say(f"WIRE run={tag} rank={dist.get_rank()} iter={it} grad_in={grad_in} grad_out={grad_out} param={param} "
                  f"grad_metric={int(comm['comm/grad_bytes_sent'])} "
                  f"grad_split={int(comm['comm/grad_bytes_sent_intra'] + comm['comm/grad_bytes_sent_inter'])} "

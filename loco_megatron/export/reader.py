@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
+import re
 import tempfile
 from typing import Optional
 
