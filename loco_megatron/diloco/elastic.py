@@ -83,15 +83,21 @@ class Fingerprint:
     """True: this replica asked from its start-up (it trained nothing to exchange here)."""
     healed: bool = False
     """Set after the quorum: this replica took a live one's state (it sends zeros)."""
+    cycles: int = 0
+    """Cycles this job opened before this one: of two jobs with one replica id, both at
+    the start of a run, the one that was there first stays."""
+
+    WIDTH = 6
+    """int64 entries of :meth:`tensor`."""
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.replica, self.config, self.iteration, int(self.joining), int(self.healed)],
-                            dtype=torch.int64)
+        return torch.tensor([self.replica, self.config, self.iteration, int(self.joining), int(self.healed),
+                             self.cycles], dtype=torch.int64)
 
     @classmethod
     def of(cls, row: torch.Tensor) -> "Fingerprint":
-        r, c, it, j, h = (int(v) for v in row.tolist())
-        return cls(r, c, it, bool(j), bool(h))
+        r, c, it, j, h, n = (int(v) for v in row.tolist())
+        return cls(r, c, it, bool(j), bool(h), n)
 
 
 @dataclasses.dataclass
@@ -243,6 +249,8 @@ class ElasticCoordinator:
         """Outer steps this replica's gradient went into (committed cycles it contributed to)."""
         self.committed = 0
         """Committed cycles that exchanged, while this replica was live."""
+        self.opened = 0
+        """Cycles this job opened (its seniority: :attr:`Fingerprint.cycles`)."""
 
     def start(self) -> None:
         """Create the Manager (and its group): heartbeats start, so call it right before the
@@ -284,36 +292,39 @@ class ElasticCoordinator:
         m.load_state_dict({"step": progress(mine.iteration, outer_steps), "batches_committed": 0})
         self._healed = None
         m.start_quorum()
-        mine.healed = self._healed is not None
+        mine.healed, mine.cycles = self._healed is not None, self.opened
+        self.opened += 1
         world, rank = max(m.num_participants(), 1), m.participating_rank() or 0
-        rows = torch.zeros(world * 5, dtype=torch.int64)
+        rows = torch.zeros(world * Fingerprint.WIDTH, dtype=torch.int64)
         work = self.ops.all_gather_into_tensor(rows, mine.tensor())
         if work is not None:
             work.wait()
         if m.errored():  # the group could not be built or a participant died: nothing to agree on
             participants = [mine]
         else:
-            participants = [Fingerprint.of(r) for r in rows.view(world, 5)]
+            participants = [Fingerprint.of(r) for r in rows.view(world, Fingerprint.WIDTH)]
         exchanging = any(not p.joining for p in participants)
         live = [p for p in participants if not p.joining] or participants
         iteration = max(p.iteration for p in live)
         cycle = Cycle(world, rank, participants, exchanging, iteration, self._healed)
         cycle.refused, cycle.refused_ranks = self._refusal(cycle)
-        self._say_membership(cycle)
+        if not cycle.refused:  # (a refusal has its own line; the refused never count as live)
+            self._say_membership(cycle)
         self.cycle = cycle
         return cycle
 
     @staticmethod
     def _refusal(cycle: Cycle) -> tuple[str, set[int]]:
         """(the line, the participating ranks refused) for participants that do not fit:
-        another fingerprint than the established one (the most advanced participant's,
-        then the lowest replica id's), or a replica id another participant, more advanced,
+        another fingerprint than the established one (the most advanced participant's:
+        furthest in iterations, then trained, then longest in the run, then the lowest
+        replica id), or a replica id another participant, more advanced,
         already has. ('', empty) when all fit. Every rank computes the same from the same
         fingerprints."""
         ps = cycle.participants
 
         def advanced(i: int) -> tuple:
-            return ps[i].iteration, not ps[i].joining, -ps[i].replica, -i
+            return ps[i].iteration, not ps[i].joining, ps[i].cycles, -ps[i].replica, -i
 
         ref = max(range(len(ps)), key=advanced)
         refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config}

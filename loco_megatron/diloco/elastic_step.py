@@ -15,11 +15,12 @@ next sync point and heals it there.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
 
-from loco_megatron.config import ConfigError
+from loco_megatron.config import ConfigError, brief
 from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer import OuterStep
@@ -104,9 +105,29 @@ class ElasticOuterStep(OuterStep):
     # -- the cycles ----------------------------------------------------------------------------
     def join(self, t: int) -> None:
         """At start-up (every rank of the job, before the first step): the first cycle,
-        which waits for the live replicas' next sync point (or, at the start of a run, for
-        the others' start) and heals this replica if it is behind."""
-        self._cycle(t, joining=True)
+        which waits for the live replicas' next sync point and heals this replica if it is
+        behind. At the start of a run (every replica in the quorum at iteration 0, none
+        training yet) the starting replicas wait, a cycle per second, until the replicas
+        expected are there or --diloco-quorum-timeout-s has passed, so that replicas
+        started together train together from the first step (a replica restarting later
+        asks once: the live ones take it in at their next outer step)."""
+        deadline = time.monotonic() + self.coordinator.quorum_timeout.total_seconds()
+        said = False
+        while True:
+            cycle = self._cycle(t, joining=True)
+            if cycle is None:  # discarded (a participant was refused): ask again until the deadline
+                if t == 0 and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                return
+            starting = not cycle.exchanging and all(p.iteration == 0 for p in cycle.participants)
+            if not starting or cycle.world >= self.coordinator.expected or time.monotonic() > deadline:
+                return
+            if not said:
+                self._log(f"DiLoCo: waiting for the {self.coordinator.expected} replicas expected "
+                          f"({cycle.world} here: {', '.join(map(str, cycle.replicas))})")
+                said = True
+            time.sleep(1.0)
 
     def after_step(self, t: int) -> None:
         """Everything the schedule puts after the inner step of iteration ``t``."""
@@ -123,7 +144,8 @@ class ElasticOuterStep(OuterStep):
         if sched.starts(t):
             self._cycle(t, joining=False)
 
-    def _cycle(self, t: int, joining: bool) -> None:
+    def _cycle(self, t: int, joining: bool) -> Optional[Cycle]:
+        """One cycle (see the module docstring); the cycle, or None when it was discarded."""
         mine = Fingerprint(self.replica, self.config_hash, t, joining)
         try:
             cycle = self.coordinator.open(mine, self.outer_steps)
@@ -131,22 +153,22 @@ class ElasticOuterStep(OuterStep):
             raise RunAborted(f"DiLoCo: no quorum of replicas formed within --diloco-quorum-timeout-s "
                              f"({self.coordinator.quorum_timeout.total_seconds():.0f} s) at iteration {t}; is the "
                              f"lighthouse {self.coordinator.lighthouse} up and are the other replicas running?") from None
-        if cycle.healed is not None:
-            self._heal(cycle)
-        if self.coordinator.refused_here(cycle):
+        if self.coordinator.refused_here(cycle):  # (before any healed state is applied: it may not fit)
             error = ConfigError(cycle.refused)
             error.agreed = True  # every rank of this replica refuses alike: rank 0 says it
             raise error
+        if cycle.healed is not None:
+            self._heal(cycle)
         if cycle.refused:  # another participant does not fit: it leaves; this cycle is discarded
             self._log(f"DiLoCo: {cycle.refused}; that replica is refused, the outer step at iteration "
                       f"{cycle.iteration} is skipped")
             self.coordinator.discard(RuntimeError(cycle.refused))
             self.coordinator.commit()
-            return
+            return None
         self._follow(cycle)
         if not cycle.exchanging:
             self.coordinator.commit()
-            return
+            return cycle
         keys = self._keys(self.schedule.starts(cycle.iteration))
         for key in keys:
             channel = self.channels[key][1]
@@ -155,6 +177,7 @@ class ElasticOuterStep(OuterStep):
             self._start(key, cycle.iteration)
         if not self.schedule.delay:
             self._close(keys)
+        return cycle
 
     def _follow(self, cycle: Cycle) -> None:
         """The channels over this cycle's replicas: re-laid when their number changed, and
@@ -174,7 +197,7 @@ class ElasticOuterStep(OuterStep):
             self.channels[key] = (views, self._relay(key), sub, frag)
         self.world = world
         if not first:  # (the first quorum only fixes what the channels were laid for at start-up)
-            self._log(f"DiLoCo: {world} replicas take part (were {before}): the outer exchange is re-laid for "
+            self._log(f"DiLoCo: {world} replica(s) take part (were {before}): the outer exchange is re-laid for "
                       f"{world}" + (", its error buffers start at zero" if had_errors else ""))
 
     def _close(self, keys: list[str]) -> None:
@@ -198,8 +221,9 @@ class ElasticOuterStep(OuterStep):
                 self.pending.pop(key, None)
                 self.channels[key][1].load_state_dict(self._snapshots[key])
             why = self.coordinator.manager.errored()
-            self._log(f"DiLoCo: the outer step was discarded ({why.original_exception if why else 'too few replicas'}"
-                      f"); the replicas train on and the next one goes on")
+            reason = brief(why.original_exception) if why else "fewer live replicas than --diloco-min-replicas"
+            self._log(f"DiLoCo: the outer step was discarded ({reason}); the replicas train on and the next one "
+                      f"goes on")
         for key in keys:
             self._snapshots.pop(key, None)
 
