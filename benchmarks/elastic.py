@@ -7,7 +7,7 @@ For 2 and 3 replicas (each its own torchrun job of one rank, gloo, 4-bit outer g
 and a ``torchft_lighthouse``, all local processes: the last replica is SIGKILLed (its
 agent and its rank) in the middle of an outer interval, the others train on, and once
 they are two intervals further the killed replica is restarted from its own last
-checkpoint. Printed side by side, per replica count:
+checkpoint; once it has taken an outer step with them every job is stopped. Printed side by side, per replica count:
 
 * **time lost per failure** by each survivor: the sum, over its steps from the kill to
   the restart, of (that step's time - the median time of the steps at the same place in
@@ -154,12 +154,15 @@ def elastic(out: pathlib.Path, replicas: int, h: int, iters: int, timeout: float
         jobs.wait_for("r0", lambda: _iteration(folder / "r0.jsonl") >= restart_at, f"iteration {restart_at}")
         restarted = _iteration(folder / "r0.jsonl")
         (folder / f"r{victim}.jsonl").rename(folder / f"r{victim}_killed.jsonl")
-        t0 = jobs.start("rejoin", _torchrun(1, args(victim, "--load", str(folder / f"ck{victim}"))))
+        t0 = jobs.start("rejoin", _torchrun(1, args(victim, "--load", str(folder / f"ck{victim}"),
+                                                     "--metrics-jsonl", str(folder / "rejoin.jsonl"))))
         t1 = jobs.wait_for("rejoin", lambda: "DiLoCo: healed from replica" in jobs.log("rejoin"), "heal")
-        for name in [f"r{r}" for r in range(replicas) if r != victim] + ["rejoin"]:
-            jobs.procs[name].wait(timeout=timeout)
-            if jobs.procs[name].returncode != 0:
-                sys.exit(f"error: {name} failed (log: {folder / name}.log)")
+        healed_at = _iteration(folder / "r0.jsonl")
+        # one outer step together after the heal, then the measurement is complete
+        jobs.wait_for("rejoin", lambda: _iteration(folder / "rejoin.jsonl") > healed_at + h, "an outer step after the heal")
+        for name in [f"r{r}" for r in range(replicas) if r != victim]:
+            if jobs.procs[name].poll() is not None:
+                sys.exit(f"error: {name} ended during the measurement (log: {folder / name}.log)")
     finally:
         jobs.close()
     lost, medians = [], []
@@ -201,7 +204,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--replicas", default="2,3", help="replica counts to measure (default 2,3)")
-    ap.add_argument("--inner-steps", type=int, default=16, help="H, the outer interval in steps (default 16)")
+    ap.add_argument("--inner-steps", type=int, default=32, help="H, the outer interval in steps (default 32)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds any one wait may take")
     args = ap.parse_args()
     counts = [int(x) for x in args.replicas.split(",") if x]
@@ -213,7 +216,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     rows = []
     for r in counts:
-        e = elastic(out, r, h, iters=8 * h, timeout=args.timeout)
+        # (the replicas are stopped once the rejoined one has taken an outer step with them)
+        e = elastic(out, r, h, iters=1000 * h, timeout=args.timeout)
         restart = whole_job_restart(out, r, h, args.timeout)
         redo = h / 2 * e["step_s"]  # a save every H steps: half an interval redone on average
         lost = ", ".join(f"{x:.1f}" for x in e["lost_s"])

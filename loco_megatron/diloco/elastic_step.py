@@ -183,12 +183,12 @@ class ElasticOuterStep(OuterStep):
         """The channels over this cycle's replicas: re-laid when their number changed, and
         this replica's row (its place among them) wherever it is now."""
         if cycle.world != self.world:
-            self._lay_out(cycle.world)
+            self._lay_out(cycle.world, cycle.iteration)
         self._laid = True
         for _, channel, _, _ in self.channels.values():
             channel.rank = cycle.rank
 
-    def _lay_out(self, world: int) -> None:
+    def _lay_out(self, world: int, iteration: int) -> None:
         """Channels laid over ``world`` replicas (their rows are per replica): fresh ones,
         error buffers at zero, nothing of the old layout in flight."""
         before, first = self.world, not self._laid
@@ -196,7 +196,9 @@ class ElasticOuterStep(OuterStep):
         for key, (views, _, sub, frag) in list(self.channels.items()):
             self.channels[key] = (views, self._relay(key), sub, frag)
         self.world = world
-        if not first:  # (the first quorum only fixes what the channels were laid for at start-up)
+        # (the first quorum only fixes what the channels were laid for at start-up, and
+        # before the first step the replicas gathering at the start have nothing to re-lay)
+        if not first and iteration > 0:
             self._log(f"DiLoCo: {world} replica(s) take part (were {before}): the outer exchange is re-laid for "
                       f"{world}" + (", its error buffers start at zero" if had_errors else ""))
 
