@@ -15,7 +15,8 @@ with a memory estimate per GPU, starting nothing (exit 2 and one line if impossi
 import sys
 import warnings
 
-from loco_megatron.cli import main_invocation, report_error
+from loco_megatron.cli import main_invocation
+from loco_megatron.error_report import report_error
 from loco_megatron.config import ConfigError
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from loco_megatron.config import Config
+from loco_megatron.config import Config, ConfigError
 from loco_megatron.platform import Platform
 
 
@@ -73,25 +73,29 @@ class ParallelLayout:
 
 
 def init_distributed(config: Config, platform: Platform, rank: int, world_size: int,
-                     init_method: str = "env://", timeout_s: Optional[float] = None) -> ParallelLayout:
+                     init_method: str = "env://", timeout_s: Optional[float] = None,
+                     agent_store: Optional[tuple[str, int]] = None, attempt: int = 0,
+                     agents: int = 1) -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; seed the RNGs.
 
     Every process group (the default one and each of megatron's) gets the same timeout,
     ``--distributed-timeout-minutes`` (``timeout_s`` overrides it, for tests): a collective
     that waits longer for a hung or stopped rank raises, so the job fails instead of
-    hanging until the allocation ends.
+    hanging until the allocation ends. ``agent_store``, ``attempt``, ``agents``: the store
+    the torchrun agent shares with its ranks (None: not shared), its restart count and the
+    number of agents (:class:`~loco_megatron.cli.LaunchEnv`), see :func:`rendezvous`.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from loco_megatron.diloco.layout import RANK_ORDER
 
-    p, replicas = config.parallel, config.diloco.diloco_replicas
+    p, replicas = config.parallel, config.diloco.replicas_in_world
     minutes = timeout_s / 60.0 if timeout_s else config.train.distributed_timeout_minutes
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=platform.backend, rank=rank, world_size=world_size, init_method=init_method,
-            timeout=datetime.timedelta(minutes=minutes))
+        timeout = datetime.timedelta(minutes=minutes)
+        where = rendezvous(init_method, agent_store, attempt, agents, world_size, timeout)
+        dist.init_process_group(backend=platform.backend, rank=rank, world_size=world_size, timeout=timeout, **where)
     ps.initialize_model_parallel(
         distributed_timeout_minutes=minutes,  # megatron turns it into a timedelta; its default is 30
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -114,6 +118,33 @@ def init_distributed(config: Config, platform: Platform, rank: int, world_size: 
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(), replicas=max(replicas, 1),
     )
+
+
+def rendezvous(init_method: str, agent_store: Optional[tuple[str, int]], attempt: int, agents: int,
+               world_size: int, timeout: datetime.timedelta) -> dict:
+    """``init_process_group``'s rendezvous arguments: ``init_method``, or a store.
+
+    torch 2.13's torchrun agent hosts one TCP store (at ``agent_store``, host and port) and
+    shares it with its ranks for every restart of the worker group (--max-restarts), while
+    its ``env://`` rendezvous adds no per-attempt prefix, so a restarted group read the
+    failed group's gloo addresses from it and died ("Gloo connectFullMesh failed ...
+    Connection refused"). With one agent its restart count ``attempt`` numbers the
+    attempts exactly, and each attempt rendezvous under its own prefix (megatron's groups
+    too: theirs prefix the default group's store). Several agents count differently (one
+    whose ranks did not fail restarts them without counting), so a restart there is
+    refused with one line: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a
+    fresh store (rank 0 hosts it), as the launchers set.
+    """
+    if agent_store is None or init_method != "env://" or (agents > 1 and attempt == 0):
+        return {"init_method": init_method}
+    if agents > 1:
+        raise ConfigError(f"torchrun restarted the worker group (restart {attempt}) of a {agents}-node job whose "
+                          f"ranks share the agents' store, which still holds the failed group's keys (torch 2.13): "
+                          f"start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+                          f"(tools/launch.py and the Slurm templates set it)")
+    host, port = agent_store
+    client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"loco_megatron/attempt_{attempt}", client)}
 
 
 def shutdown_distributed() -> None:

@@ -61,6 +61,13 @@ class Weights:
         self.w.copy_(sd["w"])
 
 
+
+def _say(line: str) -> None:
+    """One write per line: under an unbuffered stdout ``print`` writes the text and its
+    newline apart, and another rank's line can land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 def disk_full(path) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -133,7 +140,7 @@ def run(scenario: str, root: pathlib.Path) -> None:
     ck.save(1, {"model": Weights(1.0)})
     ck.wait()
     if scenario == "idle":
-        print(f"SAVED rank={rank} pid={os.getpid()}", flush=True)
+        _say(f"SAVED rank={rank} pid={os.getpid()}")
         time.sleep(300)  # the test kills the ranks long before
         return
     error, agreed = "", False
@@ -165,15 +172,15 @@ def run(scenario: str, root: pathlib.Path) -> None:
                 loader.load(loader.find_resume_dir(collective=True), {"model": Weights(0.0)})
     except ConfigError as e:
         error, agreed = str(e), getattr(e, "agreed", False)
-    print(f"ERROR[{scenario}] rank={rank} {error}", flush=True)
-    print(f"AGREED[{scenario}] rank={rank} {agreed}", flush=True)
+    _say(f"ERROR[{scenario}] rank={rank} {error}")
+    _say(f"AGREED[{scenario}] rank={rank} {agreed}")
     dist.barrier()
-    print(f"LEFT[{scenario}] rank={rank} {sorted(p.name for p in root.iterdir())}", flush=True)
+    _say(f"LEFT[{scenario}] rank={rank} {sorted(p.name for p in root.iterdir())}")
     if scenario in SAVE_FAULTS:
         loader = Checkpointer(None, str(root), rank, layout, ckpt_format=fmt, log=lambda _: None)
         weights = Weights(0.0)
         loader.load(loader.find_resume_dir(collective=True), {"model": weights})
-        print(f"LOADED[{scenario}] rank={rank} {weights.w.unique().tolist()}", flush=True)
+        _say(f"LOADED[{scenario}] rank={rank} {weights.w.unique().tolist()}")
     dist.barrier()
 
 

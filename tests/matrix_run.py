@@ -29,7 +29,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from loco_megatron.cli import main_config, report_error
+from loco_megatron.cli import main_config
+from loco_megatron.error_report import report_error
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.schedule import FragmentSchedule
 from loco_megatron.loco.collectives import CollectiveOps
@@ -201,6 +202,11 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
             comm, sums = take()
             it = hooks["grad"].iteration + 1
             grad_in, grad_out, param = wire.take()
+            if it == hooks.get("taken"):
+                # DiLoCo's final outer step after the last step takes the stats once more
+                # (its outer bytes): no step of its own, nothing of the grad/param wire.
+                return comm, sums
+            hooks["taken"] = it
             _say(f"WIRE run={tag} rank={dist.get_rank()} iter={it} grad_in={grad_in} grad_out={grad_out} param={param} "
                  f"grad_metric={int(comm['comm/grad_bytes_sent'])} "
                  f"grad_split={int(comm['comm/grad_bytes_sent_intra'] + comm['comm/grad_bytes_sent_inter'])} "

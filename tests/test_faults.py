@@ -4,6 +4,7 @@ bit rot, worker restarts. Real torchrun processes (gloo, 2 ranks) and real signa
 import hashlib
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import time
@@ -88,24 +89,41 @@ def _error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "pretrain_gpt.py: error:" in line]
 
 
-def test_hung_rank_fails_the_job_within_the_timeout(cache_dir, tmp_path):
-    """Guards against a stopped rank hanging the whole job for megatron's 30-minute default:
-    the timeout must reach megatron-core's process groups, so rank 0 fails and torchrun ends
-    the job with a non-zero exit long before that."""
+@pytest.mark.parametrize("store,stopped", [("agent", 1), ("rank 0", 0)])
+def test_stopped_rank_ends_the_job_with_one_line_naming_it(store, stopped, cache_dir, tmp_path):
+    """Guards against a stopped rank (SIGSTOP, a frozen node) hanging the job until the
+    collectives' timeout (10 minutes by default, then a gloo traceback naming no rank as
+    the root cause): the ranks' heartbeats must end the job well before that, with one
+    line naming the silent rank and what to do. Both ways torchrun's ranks get their store:
+    the agent hosts it (torch's default; rank 0 reports a stopped rank 1), or rank 0 does
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launchers set), so stopping rank 0 stops
+    the store too and its clients block: rank 1 must still report it. A 20 s collective
+    timeout makes the heartbeat timeout 10 s here; the gloo timeout must not come first."""
     metrics = tmp_path / "hang.jsonl"
-    proc = _start(TINY + ["--train-iters", "500"], cache_dir, metrics, {"LOCO_DISTRIBUTED_TIMEOUT_S": "20"},
-                  launcher_args=("--shutdown-timeout=5",))
+    env = {"LOCO_DISTRIBUTED_TIMEOUT_S": "20", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if store == "rank 0" else "0"}
+    proc = _start(TINY + ["--train-iters", "100000"], cache_dir, metrics, env, launcher_args=("--shutdown-timeout=5",))
     try:
         _wait_for_iteration(metrics, proc, 2)
-        os.kill(_workers(proc.pid)[1], signal.SIGSTOP)
-        out, _ = proc.communicate(timeout=240)  # 30 minutes if the timeout is not applied
+        victim = _workers(proc.pid)[stopped]
+        os.kill(victim, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=300)  # a bound for a hang, not a measurement
     finally:
         if proc.poll() is None:  # workers run in their own sessions: kill them too
             for pid in _workers(proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+    assert proc.returncode == 1, out[-3000:]  # torchrun's code for a failed worker
+    lines = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(lines) == 1, out[-3000:]
+    other = 1 - stopped
+    who = (rf"rank 0, which hosts the job's store at \S+, is not responding: no answer" if store == "rank 0" else
+           rf"rank {stopped} \(pid {victim} on \S+\) is not responding: no heartbeat")
+    assert re.match(rf"pretrain_gpt.py: error: {who} for \d+ s \(stopped, frozen, or its node or network is down\); "
+                    rf"rank {other} has finished iteration ([2-9]|\d\d+); ending the job: check that node, then "
+                    rf"restart from the latest checkpoint", lines[0]), lines[0]
+    root = out.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : {lines[0]}" in root and "exitcode  : 3 " in root, root
+    assert "Timed out waiting" not in out, out[-3000:]
 
 
 RESUME_ARGS = TINY + ["--train-iters", "16", "--lr-decay-iters", "16", "--loco-bits", "4"]
@@ -188,6 +206,58 @@ def test_max_restarts_resumes_after_a_killed_worker(cache_dir, tmp_path, uninter
     assert out.count("resuming from") == 1, out[-3000:]  # the restarted group resumed
     losses = {r["iteration"]: r["train/lm_loss"] for r in load_run(str(metrics)).train}
     assert losses == uninterrupted
+
+
+def test_plain_torchrun_max_restarts_resumes_after_a_killed_worker(cache_dir, tmp_path, uninterrupted):
+    """Guards against `torchrun --max-restarts` restarts failing when started by plain
+    torchrun: torch 2.13's agent keeps one TCP store, shared with its ranks, for every
+    restart of the worker group, and its env:// rendezvous adds no per-attempt prefix, so
+    the restarted group read the killed group's gloo addresses and died ("Gloo
+    connectFullMesh failed ... Connection refused"); only the launchers, which set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, restarted. The restarted group must resume from
+    the latest checkpoint and end with the uninterrupted run's losses."""
+    ck, metrics = tmp_path / "ck", tmp_path / "restart.jsonl"
+    args = RESUME_ARGS + ["--save", str(ck), "--load", str(ck), "--save-interval", "2"]
+    proc = _start(args, cache_dir, metrics, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+                  launcher_args=("--max-restarts=1",))
+    workers = {}
+    try:
+        _wait_for_iteration(metrics, proc, 3)
+        workers = _workers(proc.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        for pid in _sessions({proc.pid, *workers.values()}):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("resuming from") == 1, out[-3000:]  # the restarted group resumed
+    assert train_losses(read_metrics(metrics)) == uninterrupted
+
+
+def test_rendezvous_on_the_agents_shared_store_is_per_attempt():
+    """Guards against a restarted worker group reading the failed group's keys from the
+    store torch 2.13's torchrun agent shares with its ranks across restarts: with one agent
+    each attempt rendezvous under its own prefix; with several agents (they number their
+    restarts differently) a restart is refused in one line naming the environment variable
+    that gives each attempt a fresh store, instead of a gloo traceback or a store timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from loco_megatron.config import ConfigError
+    from loco_megatron.distributed import rendezvous
+
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    at = ("127.0.0.1", server.port)
+    store = rendezvous("env://", at, 2, 1, 2, timeout)["store"]
+    store.set("k", "attempt 2")
+    assert server.get("loco_megatron/attempt_2/k") == b"attempt 2" and not server.check(["k"])
+    assert rendezvous("env://", at, 0, 2, 2, timeout) == {"init_method": "env://"}  # first start: torch's own
+    assert rendezvous("env://", None, 1, 1, 2, timeout) == {"init_method": "env://"}  # rank 0 hosts a fresh store
+    with pytest.raises(ConfigError) as info:
+        rendezvous("env://", at, 1, 2, 2, timeout)
+    assert "\n" not in str(info.value) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(info.value)
 
 
 def test_load_without_latest_recovers_and_nothing_is_overwritten(cache_dir, tmp_path):

@@ -204,3 +204,46 @@ def test_signal_checkpoints_requeues_and_resumes(cache_dir, tmp_path):
     run_id = (run_dir / "checkpoints" / "wandb_run_id").read_text().strip()
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and all(d.name.endswith(f"-{run_id}") for d in wandb_runs), wandb_runs
+
+
+def test_elastic_templates_start_the_lighthouse_and_one_job_per_replica(tmp_path):
+    """Guards against the elastic DiLoCo templates of docs/diloco.md going wrong only on a
+    cluster: the lighthouse job must write the address the replica jobs read and start
+    torchft_lighthouse with a bind and a heartbeat timeout; each replica job must pass
+    --diloco-lighthouse/--diloco-replica-id/--diloco-replicas to every node, keep its own
+    RUN_DIR (RUN_ROOT/replica<ID>: a resubmitted replica resumes its own checkpoints), and
+    refuse a missing or out-of-range REPLICA_ID, or DILOCO_REPLICAS (the one-job mode),
+    with one line before anything starts."""
+    bin_dir = _shims(tmp_path)
+    lh_log, py_log = tmp_path / "lighthouse.log", tmp_path / "python.log"
+    (bin_dir / "torchft_lighthouse").write_text(f"#!/usr/bin/env bash\necho \"$*\" > {lh_log}\n")
+    (bin_dir / "hostname").write_text("#!/usr/bin/env bash\necho node7.site-a\n")
+    fake = tmp_path / "venv"
+    fake.mkdir()
+    (fake / "python").write_text(f"#!/usr/bin/env bash\necho \"node $SLURM_NODEID: $*\" >> {py_log}\n")
+    for f in [*bin_dir.iterdir(), fake / "python"]:
+        f.chmod(0o755)
+    root = tmp_path / "run"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RUN_ROOT=str(root), LIGHTHOUSE_PORT="29555")
+    lh = subprocess.run(["bash", "tools/slurm/lighthouse.sbatch"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert lh.returncode == 0, lh.stdout + lh.stderr
+    assert (root / "lighthouse.url").read_text().strip() == "http://node7.site-a:29555"
+    assert lh_log.read_text().split()[:2] == ["--bind", "[::]:29555"] and "--heartbeat_timeout_ms" in lh_log.read_text()
+
+    env.update(SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2", SLURM_JOB_ID="6", SCONTROL_LOG=str(tmp_path / "sc"),
+               CONFIG="configs/tiny_gpt.yaml", REPLICAS="3", SETUP=f'export PATH="{fake}:$PATH"')
+    env.pop("DILOCO_REPLICAS", None)
+    for bad, line in (({"REPLICA_ID": "3"}, "error: set REPLICA_ID to this replica's id, 0 to 2"),
+                      ({"REPLICA_ID": "1", "DILOCO_REPLICAS": "2"},
+                       "error: DILOCO_REPLICAS splits one job into replicas; here each replica is a job (set REPLICAS)")):
+        proc = subprocess.run(["bash", "tools/slurm/diloco_replica.sbatch"], cwd=REPO, env=dict(env, **bad),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line] and not py_log.exists()
+    job = subprocess.run(["bash", "tools/slurm/diloco_replica.sbatch"], cwd=REPO, env=dict(env, REPLICA_ID="1"),
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, job.stdout + job.stderr
+    calls = py_log.read_text().splitlines()
+    assert [c.split(":")[0] for c in calls] == ["node 0", "node 1"]
+    assert all(f"--run-dir {root}/replica1" in c and "-- --diloco-lighthouse http://node7.site-a:29555 "
+               "--diloco-replica-id 1 --diloco-replicas 3 --loco-bits 4" in c for c in calls), calls

@@ -148,6 +148,42 @@ def test_dry_run_with_no_data_parallel_group_says_loco_compresses_nothing():
         assert line == loco_settings(config), (flags, line)
 
 
+def test_memory_estimate_counts_loco_only_where_a_data_parallel_group_compresses():
+    """Guards against the dry run's memory estimate counting LoCo's error buffers and
+    workspace where nothing is compressed: ``--dry-run --world-size 1 --loco-bits 4`` said
+    "LoCo error + workspace 18.2 MiB" (the same as at world 2) where a real run holds none,
+    as did DP 1 inside every DiLoCo replica; and a MoE whose expert DP is 1 (EP = world)
+    counted an error for its expert parameters, which its gradient hook never compresses."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.training.memory_estimate import estimate, expert_parameter_count
+
+    def loco_mib(out: str) -> float:
+        return float(re.search(r"LoCo error \+ workspace ([\d.]+)", out).group(1))
+
+    one, two = (_dry_run("--loco-bits", "4", world=w) for w in (1, 2))  # the command line, as a user runs it
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert loco_mib(one.stdout) == 0.0 and loco_mib(two.stdout) > 0, (one.stdout, two.stdout)
+
+    def est(flags, world):
+        config = parse_config(flags)
+        return config, estimate(config, world, 4096)
+
+    for flags, world in ((["--loco-bits", "4"], 1), (["--loco-bits", "4", "--diloco-replicas", "2"], 2)):
+        _, with_loco = est(flags, world)
+        _, without = est([*flags[2:], "--loco-bits", "0"], world)
+        assert with_loco["loco_error"] == with_loco["loco_workspace"] == 0, (flags, with_loco)
+        assert with_loco["total"] == without["total"], flags
+    _, replicas_dp2 = est(["--loco-bits", "4", "--diloco-replicas", "2"], 4)  # DP 2 inside each replica
+    assert replicas_dp2["loco_error"] > 0 and replicas_dp2["loco_workspace"] > 0
+
+    moe = ["--config", str(REPO / "configs" / "tiny_moe.yaml"), "--loco-bits", "4"]
+    config, both = est(moe, 2)  # dense DP 2, expert DP 2: every gradient compressed
+    _, dense_only = est([*moe, "--expert-model-parallel-size", "2"], 2)  # expert DP 1
+    per_element = 1 + 4 / config.loco.loco_block_size
+    assert both["loco_error"] == pytest.approx(both["params"] * per_element)
+    assert dense_only["loco_error"] == pytest.approx((both["params"] - expert_parameter_count(config)) * per_element)
+
+
 def test_launch_render_dry_runs_the_job_it_renders(tmp_path):
     """Guards against rendering (and then submitting) a job whose layout cannot start: render
     checks nodes x GPUs per node ranks and stops with the dry run's one line, exit 2."""

@@ -58,7 +58,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _stored(c: LoCoCompressor) -> torch.Tensor:
     """fp32 ``[nb, B]`` stored error, in the domain it is kept (rotated with the rotation)."""
-    return c._error_blocks()
+    return c.error_buffer.blocks()
 
 
 def _check_steps(ref, fused, grads):
@@ -69,7 +69,7 @@ def _check_steps(ref, fused, grads):
         cb, sb = fused.compress(g)
         assert torch.equal(ca, cb) and torch.equal(_bits(sa), _bits(sb)), step
         ea, eb = _stored(ref), _stored(fused)
-        step_size = torch.maximum(ref._err_scales, fused._err_scales).unsqueeze(1)
+        step_size = torch.maximum(ref.error_buffer.scales, fused.error_buffer.scales).unsqueeze(1)
         gb = torch.nn.functional.pad(g.float(), (0, ref.padded_numel - g.numel())).view_as(ea)
         ulps = 2 * torch.finfo(torch.float32).eps * (gb.norm(dim=1, keepdim=True) + ea.abs())
         assert torch.all((ea - eb).abs() <= step_size * 1.001 + ulps + 1e-30), step

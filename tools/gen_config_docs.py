@@ -18,7 +18,7 @@ import typing
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loco_megatron.cli import _field_docs, _scalar_type, _sections  # noqa: E402
+from loco_megatron.cli.flags import field_docs, scalar_type, sections  # noqa: E402
 from loco_megatron.config.base import ALTERNATIVES, RENAMED  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
@@ -48,14 +48,14 @@ def _default(value) -> str:
 
 def render() -> str:
     lines = [HEADER]
-    for section, cls in _sections().items():
-        docs = _field_docs(cls)
+    for section, cls in sections().items():
+        docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         lines += [f"## {section} (`{cls.__name__}`, {cls.__module__.replace('.', '/')}.py)", "",
                   "| flag | type | default | choices | description |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            typ = _scalar_type(hints[f.name])
+            typ = scalar_type(hints[f.name])
             shown = f"`{flag}` / `--no-{flag[2:]}`" if typ is bool else f"`{flag}`"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices", ()))

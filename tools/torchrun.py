@@ -8,7 +8,8 @@ handling, same restarts). When a worker fails, torchrun itself prints its Python
 and a 20-line summary and exits 1 whatever the worker's exit code; this prints one line,
 the summary's root cause (``pretrain_gpt.py: error: ...``, which pretrain_gpt.py writes
 to torch elastic's error file), and exits with that worker's code: 2 for bad input, 3
-for an agreed abort, 128 + N for a worker killed by signal N. Used by
+for an abort (agreed by the ranks, or a rank not responding), 128 + N for a worker killed
+by signal N. Used by
 ``tools/launch_single_node.sh`` and the Slurm templates (``tools/launch.py exec``).
 """
 

@@ -1,5 +1,8 @@
-"""``Checkpointer``: where a run resumes from, the save-target checks, and saving/loading
-in either format with atomic commit (see :mod:`loco_megatron.checkpoint.files`).
+"""``Checkpointer``: saving and loading a run's state in either format, with atomic commit
+(see :mod:`loco_megatron.checkpoint.files`), at the end of the data flow (the trainer hands
+it every stateful object after the gradient and parameter sync of a step). Where a run
+resumes from and the ``--save`` checks before set-up: :mod:`loco_megatron.checkpoint.resume`
+(its methods ``find_resume_dir``/``check_save_target`` call there).
 
 ``--ckpt-format torch`` layout (fast, resumes only with the same layout)::
 
@@ -29,22 +32,19 @@ import os
 import pathlib
 import shutil
 import time
-import zipfile
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import agreed_save, fsdp_dtensor, torch_dist
+from loco_megatron.checkpoint import agreed_save, fsdp_dtensor, resume, torch_dist
 from loco_megatron.checkpoint.async_save import AsyncWriter
-from loco_megatron.checkpoint.files import (LATEST, COMMITTED, cause, commit, committed_checkpoints, fsync,
-                                           iter_dir, read_json, recover_latest, sha256, write_durably, write_sidecar)
+from loco_megatron.checkpoint.files import (cause, commit, committed_checkpoints, fsync, iter_dir, read_json, sha256,
+                                           write_durably, write_sidecar)
 from loco_megatron.checkpoint.load_notes import announce
-from loco_megatron.checkpoint.model_shape import shape_difference
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.checkpoint.torch_dist import OPTIONAL_STATES
 from loco_megatron.config import ConfigError, brief
-from loco_megatron.data.inputs import check_load_folder
 
 
 class Checkpointer:
@@ -66,124 +66,18 @@ class Checkpointer:
         self.start_note = ""
         """One line for the console: resuming (from where, and why that one) or starting fresh."""
 
-    # -- discovery / validation (before training starts) ------------------------------
+    # -- discovery / validation (before training starts): see resume.py ----------------
     def find_resume_dir(self, collective: bool = False) -> Optional[pathlib.Path]:
-        """The checkpoint ``--load`` resumes from, None to start fresh; ConfigError if bad.
-
-        No ``latest`` file but committed ``iter_N`` folders (the file was lost, or the folder
-        was copied without it): resume from the newest one, saying so, rather than start
-        fresh and later overwrite them. ``iter_N`` folders only exist once every rank's
-        file was written, so the newest is complete. ``latest`` naming a missing folder (a
-        crash while re-saving that iteration): ``iter_N.old``, else the newest complete one.
-
-        ``collective`` (after the process group exists): also check this rank's own file
-        (--ckpt-format torch) and agree on the outcome, so a bad file on one rank fails
-        every rank with the same line; without it (the pre-check before set-up, where a
-        lone rank's exit would leave the others waiting at start-up) they are skipped.
-        """
-        if self.load_root is None:
-            self.start_note = "starting fresh (no --load)"
-            return None
-        check_load_folder(str(self.load_root))  # a file: not "no checkpoint in it, starting fresh"
-        latest = self.load_root / LATEST
-        if latest.is_file():
-            text = latest.read_text().strip()
-            if not text.isdigit():
-                raise ConfigError(f"--load: {latest} does not hold an iteration number")
-            path = iter_dir(self.load_root, int(text))
-            self.start_note = f"resuming from {path} ({LATEST})"
-            if not path.is_dir():
-                found = recover_latest(self.load_root, int(text))
-                if found is None:
-                    raise ConfigError(f"--load: {latest} names iteration {int(text)} but {path} does not exist")
-                path, why = found
-                self.start_note = f"resuming from {path}: {LATEST} names iteration {int(text)} but {why}"
-        else:
-            found = committed_checkpoints(self.load_root)
-            if not found:
-                self.start_note = f"starting fresh: no checkpoint in --load {self.load_root}"
-                return None
-            path = found[-1][1]
-            self.start_note = (f"resuming from {path}: {self.load_root} has no {LATEST}, "
-                               f"so the newest complete checkpoint is used")
-        if torch_dist.is_sharded(path):
-            if self.layout_key:  # a different model shape cannot load; another layout can
-                error = ""
-                try:
-                    saved = torch_dist.saved_common(path).get("layout", {})
-                    differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
-                    if differs:
-                        error = f"--load: {path} holds a model of another shape ({differs})"
-                except ConfigError as e:  # e.g. a truncated common.pt
-                    error = str(e)
-                if collective:  # agreed: printed once, and no rank goes on alone if only some failed
-                    self._agree_or_raise(error)
-                elif error:
-                    raise ConfigError(error)
-            return path
-        if collective:
-            error = ""
-            file = path / f"rank_{self.rank:05d}.pt"
-            if not file.is_file():
-                error = f"--load: {path} has no file for rank {self.rank}"
-            elif not zipfile.is_zipfile(file):  # torch.save's format; cheap check before any set-up
-                error = f"--load: {file} is not a readable checkpoint (rank {self.rank})"
-            else:
-                try:
-                    self._check_sidecar_layout(path)
-                except ConfigError as e:
-                    error = str(e)
-            self._agree_or_raise(error)
+        """The checkpoint ``--load`` resumes from, None to start fresh; ConfigError if bad
+        (:func:`.resume.find_resume_dir`, whose line is kept in :attr:`start_note`)."""
+        path, self.start_note = resume.find_resume_dir(self.load_root, self.rank, self.layout_key, collective)
         return path
 
-    @staticmethod
-    def iteration_of(path: Optional[pathlib.Path]) -> int:
-        return int(COMMITTED.match(path.name).group(1)) if path is not None else 0  # iter_N or iter_N.old
+    iteration_of = staticmethod(resume.iteration_of)
 
-    def _check_sidecar_layout(self, path: pathlib.Path) -> None:
-        """Refuse a layout mismatch from the small ``rank_R.json`` (before the model is built)."""
-        meta = path / f"rank_{self.rank:05d}.json"
-        if not self.layout_key or not meta.is_file():
-            return  # pre-check without a layout yet, or a checkpoint older than the sidecars
-        try:
-            saved = read_json(meta).get("layout", {})
-        except ValueError as e:
-            raise ConfigError(f"--load: {e}") from None
-        self._compare_layout(saved, path)
-
-    def _compare_layout(self, saved: dict, path: pathlib.Path) -> None:
-        differs = shape_difference(saved.get("model"), self.layout_key.get("model"))
-        if differs:
-            raise ConfigError(f"--load: {path} holds a model of another shape ({differs})")
-        diff = {k: (saved.get(k), v) for k, v in self.layout_key.items() if k != "model" and saved.get(k) != v}
-        if diff:
-            raise ConfigError(f"--load: {path} was saved with a different model/parallel layout (saved vs now: {diff})")
-
-    def check_save_target(self, resume: Optional[pathlib.Path]) -> None:
-        """Every rank, before any set-up: ``--save`` is writable (probe file created and
-        removed), and, unless the run resumes from that same folder, no committed
-        checkpoint there is newer than where this run starts (it would be overwritten:
-        e.g. a fresh start after a mistyped --load, or another run's folder)."""
-        if self.save_root is None:
-            return
-        probe = self.save_root / f".write_probe.rank{self.rank}.{os.getpid()}"
-        try:
-            self.save_root.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"--save: cannot write to {self.save_root} ({cause(e, self.save_root)})") from None
-        if resume is not None and resume.parent.resolve() == self.save_root.resolve():
-            # Same run resuming (--load = --save): a newer folder can only be one committed
-            # just before a crash cut the `latest` update; the resume re-creates it bit-exactly.
-            return
-        start = self.iteration_of(resume)
-        newer = [p.name for it, p in committed_checkpoints(self.save_root) if it > start]
-        if newer:
-            raise ConfigError(
-                f"--save: {self.save_root} already holds {', '.join(newer[-3:])}, newer than the iteration "
-                f"this run starts from ({start}); they would be overwritten: resume with --load "
-                f"{self.save_root}, or move them away")
+    def check_save_target(self, resume_dir: Optional[pathlib.Path]) -> None:
+        """``--save`` writable and holding nothing newer than ``resume_dir`` (:func:`.resume.check_save_target`)."""
+        resume.check_save_target(self.save_root, self.rank, resume_dir)
 
     def _agree_or_raise(self, error: str) -> None:
         """Collective: every rank raises the first (lowest rank's) error, or none does."""
@@ -407,7 +301,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
                 error = f"--load: {file} is not a readable checkpoint on rank {self.rank} ({brief(e)})"
         self._agree_or_raise(error)
-        self._compare_layout(payload.get("layout", {}), path)
+        resume.compare_layout(payload.get("layout", {}), self.layout_key, path)
         for name, obj in stateful.items():
             if name not in payload:
                 if name in OPTIONAL_STATES:

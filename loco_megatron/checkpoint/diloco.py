@@ -146,7 +146,7 @@ def loaded_state(entry: Optional[dict]) -> Optional[dict]:
 
     return {"schedule": entry["schedule"], "outer_steps": entry["outer_steps"], "agreed": flat(entry["agreed"]),
             "momentum": flat(entry["momentum"]) if "momentum" in entry else None,
-            "per_rank": entry.get("per_rank")}
+            "per_rank": entry.get("per_rank"), "elastic": entry.get("elastic")}
 
 
 def layout_note(layout_key: dict, saved_layout: dict, loaded: dict, outer) -> str:

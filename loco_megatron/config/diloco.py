@@ -54,8 +54,44 @@ class DiLoCoConfig:
     (the tau steps taken meanwhile keep weight alpha). Default: 0.5 with
     --diloco-sync-delay > 0, else 0 (the replicas take the agreed parameters)."""
 
+    diloco_lighthouse: Optional[str] = None
+    """Elastic DiLoCo on torchft: the address of the run's torchft Lighthouse
+    (``http://HOST:PORT``, started with ``torchft_lighthouse``). Each replica is then a
+    job of its own (its own torchrun, its own TP x PP x DP world, --diloco-replica-id
+    naming it) that fails, leaves and rejoins alone: a quorum decides who takes part in
+    each outer step, and a (re)started replica heals from a live one. Unset: the
+    --diloco-replicas replicas are one torchrun world."""
+    diloco_replica_id: Optional[int] = None
+    """Elastic DiLoCo: this job's replica, 0 ... --diloco-replicas - 1 (fixes its sample
+    stream: replica r trains on the samples replica r of a one-world run would)."""
+    diloco_min_replicas: int = 1
+    """Elastic DiLoCo: the fewest live replicas that may take an outer step; with fewer the
+    exchange is not applied and the replicas keep training on their own."""
+    diloco_quorum_timeout_s: float = 900.0
+    """Elastic DiLoCo: how long an outer step (or a joining replica) waits for the quorum:
+    more than an outer interval (H steps) plus the slowest replica's lag."""
+    diloco_exchange_timeout_s: float = 120.0
+    """Elastic DiLoCo: the timeout of each collective between replicas, of the heal
+    transfer and of the commit: what a replica dying inside an exchange costs the others
+    at most before they discard that exchange and go on."""
+
     def __post_init__(self):
         check_choices(self)
+        if self.diloco_lighthouse is not None:
+            require(self.diloco_lighthouse.startswith(("http://", "https://")) and ":" in self.diloco_lighthouse[8:],
+                    "diloco_lighthouse", f"{self.diloco_lighthouse!r} is not an address http://HOST:PORT")
+            require(self.diloco_replicas >= 1, "diloco_lighthouse", "needs --diloco-replicas R (the replicas expected)")
+            require(self.diloco_replica_id is not None, "diloco_replica_id",
+                    f"must be given with --diloco-lighthouse (0 ... {self.diloco_replicas - 1})")
+            require(0 <= self.diloco_replica_id < self.diloco_replicas, "diloco_replica_id",
+                    f"{self.diloco_replica_id} is not in 0 ... {self.diloco_replicas - 1} (--diloco-replicas "
+                    f"{self.diloco_replicas})")
+            require(1 <= self.diloco_min_replicas <= self.diloco_replicas, "diloco_min_replicas",
+                    f"{self.diloco_min_replicas} is not in 1 ... --diloco-replicas ({self.diloco_replicas})")
+            require(self.diloco_quorum_timeout_s > 0 and self.diloco_exchange_timeout_s > 0,
+                    "diloco_quorum_timeout_s", "the timeouts must be > 0")
+        else:
+            require(self.diloco_replica_id is None, "diloco_replica_id", "needs --diloco-lighthouse (elastic DiLoCo)")
         # With tau 0 the replicas take the agreed parameters at once: mixing their own back
         # in would keep them apart for good (they never agree again).
         require(not self.diloco_mixing_factor or self.diloco_sync_delay > 0, "diloco_mixing_factor",
@@ -85,3 +121,13 @@ class DiLoCoConfig:
     @property
     def enabled(self) -> bool:
         return self.diloco_replicas > 0
+
+    @property
+    def elastic(self) -> bool:
+        """Replicas as jobs of their own, on torchft (--diloco-lighthouse)."""
+        return self.diloco_lighthouse is not None
+
+    @property
+    def replicas_in_world(self) -> int:
+        """Replicas inside this torchrun world: all of them, or (elastic) this job's one."""
+        return 1 if self.elastic else self.diloco_replicas

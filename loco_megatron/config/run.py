@@ -161,11 +161,15 @@ class Config:
         dp = world_size // mp
         self.expert_data_parallel_size(world_size)
         d = self.data
-        require(d.global_batch_size % (d.micro_batch_size * dp) == 0, "global_batch_size",
+        # Elastic DiLoCo: the global batch is all replicas' (each job trains its share, as
+        # its replica of a one-world run would).
+        batch_dp = dp * (self.diloco.diloco_replicas if self.diloco.elastic else 1)
+        require(d.global_batch_size % (d.micro_batch_size * batch_dp) == 0, "global_batch_size",
                  f"{d.global_batch_size} is not divisible by --micro-batch-size x data-parallel size "
-                 f"= {d.micro_batch_size} x {dp}")
+                 f"= {d.micro_batch_size} x {batch_dp}"
+                 + (f" ({dp} in this job x {self.diloco.diloco_replicas} elastic replicas)" if batch_dp != dp else ""))
         if p.virtual_pipeline_model_parallel_size is not None:
-            micro = d.global_batch_size // (d.micro_batch_size * dp)
+            micro = d.global_batch_size // (d.micro_batch_size * batch_dp)
             # megatron's interleaved schedule runs micro batches in groups of PP per chunk.
             require(micro % p.pipeline_model_parallel_size == 0, "global_batch_size",
                      f"{micro} micro batches per step is not a multiple of --pipeline-model-parallel-size "

@@ -20,6 +20,10 @@ class TrainConfig:
     """Random seed for weights, data order and dropout."""
     distributed_timeout_minutes: int = 10
     """Timeout of collectives; a dead rank fails the run after this long."""
+    heartbeat_timeout_seconds: int = 120
+    """During training every rank beats through the job's TCP store every few seconds (a
+    thread); one silent this long (stopped, frozen, its node or network gone) ends the run
+    with one line naming it, long before the collectives' timeout (at most half of it; 0 = off)."""
     stop_file: Optional[str] = None
     """When this file exists, save a checkpoint after the current step and exit 0 (the Slurm
     templates' signal handler creates it before requeueing the job)."""
@@ -35,6 +39,7 @@ class TrainConfig:
         require(self.eval_interval >= 0, "eval_interval", "must be >= 0")
         require(self.eval_iters >= 0, "eval_iters", "must be >= 0")
         require(self.distributed_timeout_minutes > 0, "distributed_timeout_minutes", "must be positive")
+        require(self.heartbeat_timeout_seconds >= 0, "heartbeat_timeout_seconds", "must be >= 0 (0 = off)")
         require(self.max_skipped_consecutive >= 0, "max_skipped_consecutive", "must be >= 0")
         if self.inject_nan is not None:
             require(self._nan_range() is not None, "inject_nan",

@@ -54,12 +54,15 @@ class OuterChannel:
                  error_feedback: bool = True, beta: float = 0.8, kernels: str = "torch",
                  device: Optional[torch.device] = None, name: str = "outer", ops: CollectiveOps = TORCH_OPS,
                  decompress: Optional[Callable] = None, workspace: Optional[Workspace] = None, clock=None,
-                 exact: bool = False, gain_correction: bool = False):
+                 exact: bool = False, gain_correction: bool = False, stream_rank: Optional[int] = None):
         if exact and bits:
             raise ValueError("exact (gather and sum in rank order) is an fp32 exchange: bits must be 0")
         self.numel, self.group, self.bits, self.name, self.exact = numel, group, bits, name, exact
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world = ops.get_world_size(group)
+        self.rank = ops.get_rank(group)
+        self.mean_over = self.world
+        """The deltas a mean is over: every rank of the group, unless some send zeros that
+        must not count (elastic DiLoCo: a replica that just healed; set per exchange)."""
         self.ops, self.clock = ops, clock or WallClock()
         self.workspace = workspace or Workspace()
         if decompress is None:
@@ -74,8 +77,10 @@ class OuterChannel:
         self.layout1 = ShardLayout(numel, self.world, bits, block_size, options=options)
         # Phase 2 decodes one row at a time into its place: a one-rank layout of a row.
         self.row_layout = ShardLayout(self.layout1.piece, 1, bits, block_size, options=options)
-        # Stochastic rounding streams: this shard, phase and rank (seed and step do the rest).
-        rank = dist.get_rank()
+        # Stochastic rounding streams: this shard, phase and rank (seed and step do the rest);
+        # ``stream_rank``: the rank's place in the whole run where that is not its global rank
+        # (replicas in worlds of their own), else independent replicas would round alike.
+        rank = dist.get_rank() if stream_rank is None else stream_rank
 
         def stream(phase: str) -> int:
             return zlib.crc32(f"{name}/{phase}/rank{rank}".encode())
@@ -183,7 +188,7 @@ class OuterWork:
         def launch():
             self._rs, _ = compressed_reduce_scatter(
                 self.delta, lambda flat: c.comp1.compress(flat, c.workspace), c.layout1, c.group, async_op=True,
-                average=True, clock=c.clock, decompress=c._decompress, out=mean_row[: b - a], ops=c.ops)
+                scale=1.0 / c.mean_over, clock=c.clock, decompress=c._decompress, out=mean_row[: b - a], ops=c.ops)
 
         self._timed(launch)
         self.launch_mark = self._rs.launch_mark
@@ -218,10 +223,10 @@ class OuterWork:
                 self.delta.copy_(rows[0])
                 for r in range(1, c.world):  # rank order: the same sum wherever the element sits
                     self.delta.add_(rows[r])
-                self.delta.div_(c.world)
+                self.delta.div_(c.mean_over)
                 self._recv2 = None
             elif not c.bits:
-                self.delta.div_(c.world)
+                self.delta.div_(c.mean_over)
             else:
                 decode_rows_into(self._gather.wait(), c.layout1, c.row_layout, self.delta, c._decompress)
                 self._gather = self._mean_row = None

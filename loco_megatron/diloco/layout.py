@@ -29,7 +29,7 @@ def check_replicas(config: Config, world_size: int, ranks_per_node: Optional[int
     """ConfigError (one line) unless ``world_size`` ranks split into --diloco-replicas
     replicas of the configured layout, each whole nodes of ``ranks_per_node`` ranks (or a
     whole share of one node)."""
-    r = config.diloco.diloco_replicas
+    r = config.diloco.replicas_in_world
     if not r:
         return
     if world_size % r:
@@ -55,7 +55,7 @@ def check_replicas(config: Config, world_size: int, ranks_per_node: Optional[int
 def describe(config: Config, world_size: int) -> str:
     """One start-up line: the replica layout and the outer step's settings."""
     d = config.diloco
-    r = d.diloco_replicas
+    r = d.replicas_in_world
     size = world_size // r
     inner_dp = config.data_parallel_size(world_size) // r
     p = config.parallel
@@ -68,7 +68,11 @@ def describe(config: Config, world_size: int) -> str:
             if d.diloco_outer_bits else "fp32 all-reduce")
     stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
               if d.diloco_fragments > 1 or d.diloco_sync_delay else "")
-    return (f"DiLoCo: {r} replicas of {size} ranks (TP {p.tensor_model_parallel_size} x PP "
-            f"{p.pipeline_model_parallel_size} x DP {inner_dp}; replica 0 = ranks 0-{size - 1}); outer step every "
-            f"{d.diloco_inner_steps} steps{stream}: Nesterov lr {d.diloco_outer_lr} momentum "
-            f"{d.diloco_outer_momentum}, exchange {bits}")
+    grid = f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP {inner_dp}"
+    outer = (f"outer step every {d.diloco_inner_steps} steps{stream}: Nesterov lr {d.diloco_outer_lr} momentum "
+             f"{d.diloco_outer_momentum}, exchange {bits}")
+    if d.elastic:
+        return (f"DiLoCo (elastic, torchft): replica {d.diloco_replica_id} of {d.diloco_replicas} expected, this job "
+                f"{size} ranks ({grid}); lighthouse {d.diloco_lighthouse}, an outer step needs "
+                f"{d.diloco_min_replicas} live replica(s); {outer}")
+    return f"DiLoCo: {r} replicas of {size} ranks ({grid}; replica 0 = ranks 0-{size - 1}); {outer}"

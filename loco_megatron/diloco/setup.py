@@ -3,6 +3,7 @@ inter-instance groups (see :mod:`.layout` for the replicas)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -40,16 +41,24 @@ def _layer_numbers(chunks: list) -> dict[int, int]:
 
 
 def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, log: Callable[[str], None],
-                     ops: CollectiveOps = TORCH_OPS) -> Optional[OuterStep]:
+                     ops: CollectiveOps = TORCH_OPS, coordinator=None) -> Optional[OuterStep]:
     """The outer step of this rank (None without --diloco-replicas). Corrects megatron's
-    gradient scaling for replicas. Collective (creates the one-replica group)."""
+    gradient scaling for replicas. Collective (creates the one-replica group).
+    ``coordinator`` (elastic DiLoCo, --diloco-lighthouse): this rank's
+    :class:`~.elastic.ElasticCoordinator`; the outer exchange then runs on its torchft
+    groups and the step is an :class:`~.elastic_step.ElasticOuterStep`."""
     d, lc = config.diloco, config.loco
     if not d.enabled:
         return None
     from loco_megatron.loco.hooks.diloco import main_shards, run_in_optimizer_step, scale_replica_gradients
 
-    scale_replica_gradients(chunks, d.diloco_replicas)
-    group = outer_group(d.diloco_replicas)
+    scale_replica_gradients(chunks, d.replicas_in_world)
+    if coordinator is not None:
+        group, ops = None, coordinator.ops
+        # Stochastic rounding: this rank's place in the whole run, as in one world.
+        stream_rank = d.diloco_replica_id * dist.get_world_size() + dist.get_rank()
+    else:
+        group, stream_rank = outer_group(d.diloco_replicas), None
     names = {id(p): name for chunk in chunks for name, p in chunk.module.named_parameters()}
     layers = _layer_numbers(chunks)
     # The outer exchange runs every H steps: LoCo's torch kernels unless others are asked
@@ -57,7 +66,7 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     kernels = lc.loco_kernels if lc.loco_kernels != "auto" and not d.diloco_outer_gain_correction else "torch"
     options = QuantOptions(**lc.options_for(d.diloco_outer_bits), seed=lc.loco_quant_seed)
     workspace = Workspace()
-    channels = {}
+    channels, makers = {}, {}
     for i, pairs in enumerate(main_shards(optimizer)):
         per_channel: dict[tuple[int, bool], list] = {}
         for param, start, end, view in pairs:
@@ -71,11 +80,15 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
         for f, tied in sorted(per_channel):
             views = ShardViews([v for v, _ in per_channel[f, tied]], [s for _, s in per_channel[f, tied]])
             key = f"opt{i}.fragment{f}" + (".tied" if tied else "")
-            channel = OuterChannel(views.numel, group, 0 if tied else d.diloco_outer_bits, lc.loco_block_size,
-                                   options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels,
-                                   views.views[0].device, name=key, ops=ops, workspace=workspace, clock=stats.clock,
-                                   exact=tied, gain_correction=d.diloco_outer_gain_correction)
-            channels[key] = (views, channel, i, f)
+
+            def make(numel=views.numel, tied=tied, key=key, device=views.views[0].device) -> OuterChannel:
+                return OuterChannel(numel, group, 0 if tied else d.diloco_outer_bits, lc.loco_block_size,
+                                    options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, device,
+                                    name=key, ops=ops, workspace=workspace, clock=stats.clock, exact=tied,
+                                    gain_correction=d.diloco_outer_gain_correction, stream_rank=stream_rank)
+
+            makers[key] = make
+            channels[key] = (views, make(), i, f)
 
     def record(work) -> None:  # once per exchange, when it completed (see OuterStep)
         stats.add_interval("outer_time", work.launch_mark, work.done_mark)
@@ -86,7 +99,22 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
 
     # Without DiLoCo the replicas would all-reduce every step: bf16, half the fp32 ring's bytes.
     every_step = sum(ch.uncompressed_bytes() for _, ch, _, _ in channels.values()) // 2
-    return OuterStep(channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay),
-                     d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_mixing_factor,
-                     lambda update: run_in_optimizer_step(optimizer, update), record,
-                     lambda: stats.add_outer_reference(every_step), log)
+    args = (channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay),
+            d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_mixing_factor,
+            lambda update: run_in_optimizer_step(optimizer, update), record,
+            lambda: stats.add_outer_reference(every_step), log)
+    if coordinator is None:
+        return OuterStep(*args)
+    from loco_megatron.diloco.elastic import config_hash
+    from loco_megatron.diloco.elastic_step import ElasticOuterStep
+
+    # What every replica must share: the shards (their sizes per channel, so the model's
+    # shape and the layout), the outer settings, the batch (every replica's share of it).
+    local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s")
+    shared = [config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size,
+              dist.get_world_size(), {k: v for k, v in dataclasses.asdict(d).items() if k not in local},
+              lc.loco_block_size, lc.loco_quant_seed, sorted(options.__dict__.items()), config.model.seq_length,
+              config.data.global_batch_size, config.data.micro_batch_size,
+              {k: ch.numel for k, (_, ch, _, _) in channels.items()}]
+    return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
+                            relay=lambda key: makers[key]())

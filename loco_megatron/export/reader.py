@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
+import re
 import tempfile
 from typing import Optional
 
@@ -112,7 +113,7 @@ def single_rank_config(config: Config) -> Config:
                                 recompute_num_layers=None, use_cpu_initialization=True, transformer_impl="local")
     loco = dataclasses.replace(config.loco, param_gather_bits=0)
     # One model on one rank: no DiLoCo replicas (which model of a DiLoCo checkpoint is read: model_source).
-    diloco = dataclasses.replace(config.diloco, diloco_replicas=0)
+    diloco = dataclasses.replace(config.diloco, diloco_replicas=0, diloco_lighthouse=None, diloco_replica_id=None)
     return dataclasses.replace(config, parallel=parallel, model=model, loco=loco, diloco=diloco)
 
 

@@ -58,6 +58,10 @@ class CollectiveOps:
     all_gather: Callable = _current("all_gather")
     all_gather_into_tensor: Callable = _current("all_gather_into_tensor")
     all_reduce: Callable = _current("all_reduce")
+    get_rank: Callable = _current("get_rank")
+    """``get_rank(group)``: this rank's place in ``group`` (a group outside torch.distributed's
+    registry, as torchft's, answers through its own ops)."""
+    get_world_size: Callable = _current("get_world_size")
 
 
 TORCH_OPS = CollectiveOps()
@@ -258,6 +262,7 @@ def compressed_reduce_scatter(
     decompress: Callable = decompress_into,
     out: Optional[torch.Tensor] = None,
     ops: CollectiveOps = TORCH_OPS,
+    scale: Optional[float] = None,
 ) -> tuple[CompressedReduceScatterWork, int]:
     """Launch the compressed reduce-scatter of flat ``buffer`` over ``group``.
 
@@ -270,10 +275,11 @@ def compressed_reduce_scatter(
     handed to the all-to-all (the all-gather's are ``handle.gather_bytes`` once
     waited). With ``async_op=False`` the handle is already complete, unless its output
     is still to be set (then the transfer is done and ``wait()`` only decompresses). ``clock`` marks
-    launch and completion (wall-clock by default).
+    launch and completion (wall-clock by default). The reduced rows are multiplied by
+    ``scale`` (default: ``1 / world`` with ``average``, else 1).
     """
     clock = clock or WallClock()
-    rank = dist.get_rank(group)
+    rank = ops.get_rank(group)
     codes, scales = compress(buffer)
     send = layout.pack(codes, scales)
     recv = torch.empty_like(send)
@@ -284,7 +290,7 @@ def compressed_reduce_scatter(
         out = buffer[a:b]
     handle = CompressedReduceScatterWork(
         work, send, recv, layout, out, group, buffer if all_gather else None,
-        1.0 / layout.world if average else 1.0, clock, launch, decompress, ops)
+        scale if scale is not None else (1.0 / layout.world if average else 1.0), clock, launch, decompress, ops)
     if not async_op and out is not None:  # else the caller sets the output, then waits
         handle.wait()
     return handle, send.numel()

@@ -8,10 +8,11 @@ For one flat gradient buffer ``g`` (N elements) at optimizer step t:
 4. reset        ``e = 0`` at every ``reset_interval``-th step (before compensating)
 
 The error is stored block-wise in int8 with an fp32 scale per block (about 1.016
-bytes per element at block 256) unless ``error_bits`` asks for bf16/fp32. If ``h`` has
-a NaN/Inf the stored error is left exactly as it was (selected with ``torch.where``,
-no host sync), so a non-finite value can never enter the error buffer; the codes and
-scales still carry the overflow to the receiver.
+bytes per element at block 256) unless ``error_bits`` asks for bf16/fp32
+(:class:`~loco_megatron.loco.error_state.ErrorBuffer`). If ``h`` has a NaN/Inf the stored
+error is left exactly as it was (selected with ``torch.where``, no host sync), so a
+non-finite value can never enter the error buffer; the codes and scales still carry the
+overflow to the receiver.
 
 Quantiser options (:class:`~.quantize.QuantOptions`) change step 2 only, except the
 Hadamard rotation: then the whole step runs in the rotated domain (``h = R(g) + e``,
@@ -22,51 +23,25 @@ checkpointed, so a resumed run rounds exactly as an uninterrupted one. The gain
 correction (``gain_correction``, torch kernels only; DiLoCo's outer exchange uses it)
 refits step 2's scales so that ``<D(q, s), h> = |h|^2`` per block
 (:func:`~.quantize.unbiased_scales_`), before step 3 reads them.
+
+In the data flow (CLI > config > set-up > train step > gradient/parameter sync >
+checkpoint and metrics) a compressor is built at set-up for each gradient bucket that
+leaves its rank and runs inside the gradient sync; the torch reference here, or one fused
+kernel (C++ on CPU, Triton on GPU) that gives the same bits.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from loco_megatron.loco import quantize as qz
 from loco_megatron.loco import rotation as rot
+from loco_megatron.loco.error_state import ErrorBuffer, LoCoStateMismatch, load_compressor_states
 from loco_megatron.loco.workspace import Workspace
 
-
-class LoCoStateMismatch(ValueError):
-    """A checkpointed LoCo state that does not fit this compressor (the message says why)."""
-
-
-def load_compressor_states(compressors: dict, sd: Optional[dict], log: Callable[[str], None]) -> None:
-    """A hook's ``load_state_dict``: restore every compressor of ``compressors`` (key ->
-    :class:`LoCoCompressor`) from the checkpointed ``sd`` (key -> its ``state_dict()``).
-    When ``sd`` does not fit (other buckets, or any compressor's :class:`LoCoStateMismatch`),
-    every compressor is reset to zero error and ``log`` gets one line saying why; a LoCo
-    state this run has no compressors for is ignored with one line. ``sd`` None: the
-    checkpoint was written under another layout (the loader said so): nothing to do."""
-    if sd is None:
-        return
-    if sd and not compressors:
-        log("LoCo: off (or nothing to compress) in this run: the checkpoint's error state is not used")
-        return
-    why = None
-    if set(sd) != set(compressors):
-        only_saved = sorted(set(sd) - set(compressors))[:1]
-        only_here = sorted(set(compressors) - set(sd))[:1]
-        why = f"its buckets differ (saved only: {only_saved or '-'}, here only: {only_here or '-'})"
-    else:
-        for key, c in compressors.items():
-            try:
-                c.load_state_dict(sd[key])
-            except LoCoStateMismatch as e:
-                why = f"{key}: {e}"
-                break
-    if why is not None:
-        for c in compressors.values():
-            c.reset()
-        log(f"LoCo: the checkpoint's error state does not fit this run ({why}); starting the error buffers at zero")
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "LoCoCompressor", "LoCoStateMismatch", "load_compressor_states"]
 
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -137,43 +112,17 @@ class LoCoCompressor:
         dev = device or torch.device("cpu")
         self.stream = stream
         self._signs = rot.signs(block_size, self.options.seed, dev) if self.options.rotation == "hadamard" else None
-        if not error_feedback:
-            self._err = self._err_scales = None
-        elif error_bits == 8:
-            self._err = torch.zeros(self.num_blocks, block_size, dtype=torch.int8, device=dev)
-            self._err_scales = torch.zeros(self.num_blocks, dtype=torch.float32, device=dev)
-        else:
-            dtype = torch.bfloat16 if error_bits == 16 else torch.float32
-            self._err = torch.zeros(self.num_blocks, block_size, dtype=dtype, device=dev)
-            self._err_scales = None
+        self.error_buffer = ErrorBuffer(self.num_blocks, block_size, error_bits, dev) if error_feedback else None
+        """The error ``e`` held across steps (None without error feedback)."""
 
-    # -- error storage ---------------------------------------------------------------
-    def _error_blocks(self, b0: int = 0, b1: Optional[int] = None) -> torch.Tensor:
-        """fp32 ``[b1 - b0, block_size]`` copy of the stored error of blocks ``[b0, b1)``."""
-        b1 = self.num_blocks if b1 is None else b1
-        if self._err is None:
-            return torch.zeros(b1 - b0, self.block_size, device=torch.device("cpu"))
-        if self.error_bits == 8:
-            return self._err[b0:b1].float() * self._err_scales[b0:b1].unsqueeze(1)
-        return self._err[b0:b1].float()
-
-    def _store_error(self, e: torch.Tensor, finite: torch.Tensor, scratch: torch.Tensor, b0: int, b1: int) -> None:
-        """Store ``e`` as the error of blocks ``[b0, b1)`` unless ``finite`` (0-d bool
-        tensor) is False; selected on the device with ``torch.where`` (no host sync)."""
-        err = self._err[b0:b1]
-        if self.error_bits == 8:
-            scales = qz.block_scales(e, 8, scratch=scratch)
-            codes = qz.round_codes_(e, scales, 8, out=scratch).to(torch.int8)
-            torch.where(finite, codes, err, out=err)
-            err_s = self._err_scales[b0:b1]
-            torch.where(finite, scales, err_s, out=err_s)
-        else:
-            torch.where(finite, e.to(err.dtype), err, out=err)
-
+    # -- the error (stored in :attr:`error_buffer`) -------------------------------------
     def error(self) -> torch.Tensor:
         """The current error ``e`` as fp32, ``numel`` elements (row padding removed;
         unrotated when the error is stored in the rotated domain)."""
-        blocks = self._error_blocks()
+        if self.error_buffer is None:
+            blocks = torch.zeros(self.num_blocks, self.block_size, device=torch.device("cpu"))
+        else:
+            blocks = self.error_buffer.blocks()
         if self._signs is not None:
             blocks = rot.unrotate(blocks, self._signs.to(blocks.device))
         blocks = blocks.view(self.rows, -1)[:, : self.row_numel]
@@ -181,16 +130,13 @@ class LoCoCompressor:
 
     def error_nbytes(self) -> int:
         """Bytes held across steps for the error (codes + scales)."""
-        if self._err is None:
-            return 0
-        n = self._err.numel() * self._err.element_size()
-        return n + (self._err_scales.numel() * 4 if self._err_scales is not None else 0)
+        return self.error_buffer.nbytes() if self.error_buffer is not None else 0
 
     def workspace_nbytes(self) -> int:
         """Scratch this compressor asks of its :class:`Workspace`: two fp32 chunks (torch; three
         with the gain correction), or the int8 new error and its scales (the fused kernels;
         Triton adds 3 fp32 sums per block)."""
-        new_err = self.num_blocks * (self.block_size + 4) if self._err is not None else 0
+        new_err = self.num_blocks * (self.block_size + 4) if self.error_buffer is not None else 0
         if self.kernels == "triton":
             return new_err + self.num_blocks * 12
         if self.kernels == "cpu":
@@ -223,19 +169,9 @@ class LoCoCompressor:
         hv[n:].zero_()
         if self._signs is not None:  # the step runs in the rotated domain: h = R(g) + e
             h.copy_(rot.rotate(h, self._signs))
-        if self._err is None:
+        if self.error_buffer is None:
             return h
-        return self._add_error(h, b0, b1)
-
-    def _add_error(self, h: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
-        """``h += e`` for blocks ``[b0, b1)`` (in place; returns ``h``)."""
-        if self.error_bits == 8:
-            # h = e + g with e = int8 * scale: the same product and sum, in the same order,
-            # as the unchunked spec (mul then add), so results do not depend on chunking.
-            e = torch.mul(self._err[b0:b1], self._err_scales[b0:b1].unsqueeze(1))
-        else:
-            e = self._err[b0:b1].float()
-        return torch.add(e, h, out=h)
+        return self.error_buffer.add_to_(h, b0, b1)
 
     def compress(self, grad: torch.Tensor, workspace: Optional["Workspace"] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,17 +236,17 @@ class LoCoCompressor:
             resid = torch.addcmul(h, q, s.unsqueeze(1), value=-1.0, out=work)
             sums[1] += torch.linalg.vector_norm(resid).square()
             sums[2] += torch.linalg.vector_norm(h).square()
-            if self._err is not None:
+            if self.error_buffer is not None:
                 # e_new = beta*e + (1-beta)*(h - D) with e = h - g, computed in place in h
                 # (the padding holds g = 0, so only the gradient's elements are subtracted).
                 if self._signs is None:
                     h.view(-1)[: e1 - e0].sub_(flat[e0:e1])
                 else:  # h - R(g) would round differently: re-read e as it was added
                     h.zero_()
-                    self._add_error(h, b0, b1)
+                    self.error_buffer.add_to_(h, b0, b1)
                 new_e = h.mul_(self.beta).add_(resid, alpha=1.0 - self.beta)
                 sums[0] += torch.linalg.vector_norm(new_e).square()
-                self._store_error(new_e, finite, work, b0, b1)
+                self.error_buffer.store_(new_e, finite, work, b0, b1)
         self.last_stats = self._stats(sums, finite)
         self.step += 1
         return codes, scales
@@ -327,23 +263,30 @@ class LoCoCompressor:
         numel, zeros = self._stats_consts
         return torch.where(finite, torch.cat([sums, numel]), zeros)
 
+    def _error_tensors(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The stored error as the fused kernels take it: int8 ``[num_blocks, block_size]``
+        and fp32 ``[num_blocks]`` (None, None without error feedback); the C++ kernel writes
+        the new error into them itself, the Triton one into scratch (:meth:`_compress_triton`)."""
+        buf = self.error_buffer
+        return (buf.values, buf.scales) if buf is not None else (None, None)
+
     def _compress_triton(self, grad: torch.Tensor, ws: "Workspace") -> tuple[torch.Tensor, torch.Tensor]:
         """The same step as :meth:`compress` in one fused kernel (see :mod:`.triton_kernels`)."""
         from loco_megatron.loco import triton_kernels
 
         shape, dev = (self.num_blocks, self.block_size), grad.device
-        ef = self._err is not None
+        buf = self.error_buffer
+        ef = buf is not None
         new_err = ws.get("new_err", shape, dev, torch.int8) if ef else None
         new_scales = ws.get("new_err_scales", (self.num_blocks,), dev) if ef else None
         stats = ws.get("stats", (self.num_blocks, 3), dev)
         codes, scales = triton_kernels.compress(
-            grad.reshape(-1), self._err, self._err_scales, self.beta, self.bits, self.block_size, new_err, new_scales,
-            stats, row_numel=self.row_numel, row_blocks=self.row_blocks, num_blocks=self.num_blocks,
-            options=self.options, key=qz.noise_key(self.options.seed, self.stream, self.step))
+            grad.reshape(-1), *self._error_tensors(), self.beta, self.bits, self.block_size, new_err, new_scales, stats,
+            row_numel=self.row_numel, row_blocks=self.row_blocks, num_blocks=self.num_blocks, options=self.options,
+            key=qz.noise_key(self.options.seed, self.stream, self.step))
         finite = torch.isfinite(scales).all()
         if ef:  # the NaN/Inf rule needs the whole buffer's verdict: select on the device
-            torch.where(finite, new_err, self._err, out=self._err)
-            torch.where(finite, new_scales, self._err_scales, out=self._err_scales)
+            buf.keep_if_finite_(finite, new_err, new_scales)
         self.last_stats = self._stats(stats.sum(dim=0), finite)
         self.step += 1
         return codes, scales
@@ -364,41 +307,37 @@ class LoCoCompressor:
         if g.dtype not in (torch.float32, torch.bfloat16):
             g = g.float()
         scratch = (None, None)
-        if self._err is not None:
+        if self.error_buffer is not None:
             shape = (self.num_blocks, self.block_size)
             scratch = (ws.get("new_err", shape, g.device, torch.int8),
                        ws.get("new_err_scales", (self.num_blocks,), g.device))
         key = qz.noise_key(self.options.seed, self.stream, self.step) if self.options.rounding == "stochastic" else 0
         codes, scales, self.last_stats = cpu_kernels.compress(
-            g, self._err, self._err_scales, self.beta, self.bits, self.block_size, self.numel, *scratch,
+            g, *self._error_tensors(), self.beta, self.bits, self.block_size, self.numel, *scratch,
             rows=self.rows, options=None if self._plain else self.options, key=key)
         self.step += 1
         return codes, scales
 
     def reset(self) -> None:
         """``e = 0``."""
-        if self._err is not None:
-            self._err.zero_()
-        if self._err_scales is not None:
-            self._err_scales.zero_()
+        if self.error_buffer is not None:
+            self.error_buffer.zero_()
 
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = {"step": self.step, "numel": self.numel, "rows": self.rows, "bits": self.bits,
               "block_size": self.block_size, "error_bits": self.error_bits,
-              "error_feedback": self._err is not None, "rotation": self.options.rotation,
+              "error_feedback": self.error_buffer is not None, "rotation": self.options.rotation,
               "rotation_seed": self.options.seed if self._signs is not None else None}
-        if self._err is not None:
-            sd["error"] = self._err.clone()
-        if self._err_scales is not None:
-            sd["error_scales"] = self._err_scales.clone()
+        if self.error_buffer is not None:
+            sd.update(self.error_buffer.state_dict())
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore the error and step counter; :class:`LoCoStateMismatch` (naming what
         differs) when ``sd`` was written for another buffer shape or error format."""
         saved_ef = "error" in sd
-        if saved_ef != (self._err is not None):
+        if saved_ef != (self.error_buffer is not None):
             raise LoCoStateMismatch(f"error feedback was {'on' if saved_ef else 'off'} in the checkpoint "
                                     f"(--loco-error-feedback changed)")
         for key in ("numel", "rows", "bits", "block_size", "error_bits"):
@@ -411,7 +350,5 @@ class LoCoCompressor:
             raise LoCoStateMismatch(f"rotation {saved[0]} (seed {saved[1]}) in the checkpoint, {now[0]} "
                                     f"(seed {now[1]}) now (--loco-rotation/--loco-quant-seed changed)")
         self.step = int(sd["step"])
-        if self._err is not None:
-            self._err.copy_(sd["error"])
-        if self._err_scales is not None:
-            self._err_scales.copy_(sd["error_scales"])
+        if self.error_buffer is not None:
+            self.error_buffer.load_state_dict(sd)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-
-class RunAborted(RuntimeError):
-    """The run cannot usefully continue; the message is the one line to print."""
+from loco_megatron.failures import RunAborted  # noqa: F401 (the trainer's and pretrain_gpt.py's import)
 
 
 class SkipGuard:

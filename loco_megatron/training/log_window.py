@@ -85,7 +85,11 @@ def outer_metrics(outer, device, group=None) -> dict:
     over the replica's ranks: every replica decodes the same means)."""
     bad = outer.take_nonfinite().to(device=device, dtype=torch.float64)
     dist.all_reduce(bad, group=group)
-    return {"diloco/outer_steps": float(outer.outer_steps), "diloco/nonfinite_means": bad.item()}
+    out = {"diloco/outer_steps": float(outer.outer_steps), "diloco/nonfinite_means": bad.item()}
+    coordinator = getattr(outer, "coordinator", None)
+    if coordinator is not None:  # elastic: the replicas of the last quorum
+        out["diloco/live_replicas"] = float(coordinator.live_replicas)
+    return out
 
 
 def accumulate(window: dict, result, comm: dict, loco_sums) -> None:

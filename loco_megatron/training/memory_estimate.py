@@ -11,7 +11,10 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
   expert DP (world / (ETP x EP x PP)) for expert ones;
 * LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
   gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
-  rank's parameters, plus its send/receive payloads);
+  rank's compressed parameters, plus its send/receive payloads), for the gradients LoCo
+  compresses only (:func:`compressed_groups`): those whose data-parallel group has more than
+  one rank (the dense DP, or the expert DP for expert parameters; under DiLoCo, inside a
+  replica: DP / R). A group of one rank sends nothing, so a real run keeps no error there;
 * DiLoCo (--diloco-replicas): the optimizer is sharded over a replica's data-parallel ranks
   only (DP / R), and the outer step keeps per element of that shard the agreed parameters
   and momentum (4 + 4 bytes), the outer error buffers and one fragment's outer gradient in
@@ -78,6 +81,20 @@ def _activations(config: Config) -> float:
     return stored * layers * in_flight
 
 
+def compressed_groups(config: Config, dp: int, expert_dp: int) -> tuple[bool, bool]:
+    """(dense, expert): whether LoCo compresses the dense and the expert parameters'
+    gradients with ``dp`` dense and ``expert_dp`` expert data-parallel ranks (0: a dense
+    model), as its gradient hook decides at a real start: only where the group the
+    gradients are reduced over has more than one rank (inside a DiLoCo replica: a
+    replica's ``DP / R`` ranks; the replicas exchange at outer steps, not through LoCo).
+    Under Megatron-FSDP LoCo compresses the reduction across
+    --num-distributed-optimizer-instances, which the config requires to be > 1 with LoCo."""
+    if config.parallel.use_megatron_fsdp:
+        return True, True
+    replicas = config.diloco.replicas_in_world or 1  # (elastic: every replica is a world of its own)
+    return dp // replicas > 1, (expert_dp or replicas) // replicas > 1
+
+
 def _fsdp_parts(config: Config, here: float, dp: int, vocab: int, weight_bytes: int, grad_bytes: int,
                 optimizer_bytes: int) -> dict:
     """Weights, gradients, optimizer and LoCo error under Megatron-FSDP (see the module doc)."""
@@ -114,18 +131,20 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     dense_here = (total - experts) / (tp * pp)
     experts_here = experts / (etp * ep * pp)
     here = dense_here + experts_here
-    replicas = config.diloco.diloco_replicas or 1  # DiLoCo: the optimizer shards inside a replica
+    replicas = config.diloco.replicas_in_world or 1  # DiLoCo: the optimizer shards inside a replica
     shard = (dp // replicas, (expert_dp or replicas) // replicas) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
     weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)
     block = lc.loco_block_size
-    bucket = min(p.ddp_bucket_size or DDP_BUCKET, here)  # no bucket outgrows the rank's parameters
+    dense_loco, expert_loco = compressed_groups(config, dp, expert_dp) if lc.loco_bits else (False, False)
+    compressed = dense_here * dense_loco + experts_here * expert_loco  # elements with a LoCo error
+    bucket = min(p.ddp_bucket_size or DDP_BUCKET, compressed)  # no bucket outgrows what the rank compresses
     out = {
         "weights": weight_bytes * here,
         "grads": grad_bytes * here,
         "optimizer": optimizer_bytes * (dense_here / shard[0] + experts_here / shard[1]),
-        "loco_error": here * (1 + 4 / block) if lc.loco_bits else 0,
-        "loco_workspace": (2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block)) if lc.loco_bits else 0,
+        "loco_error": compressed * (1 + 4 / block),
+        "loco_workspace": 2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block),
         "diloco": outer_memory_bytes(config, dense_here / shard[0] + experts_here / shard[1]),
         "activations": _activations(config),
     }

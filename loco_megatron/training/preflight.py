@@ -21,7 +21,7 @@ from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.hub import InputNotHere
 from loco_megatron.data.tokenizer import load_tokenizer
 from loco_megatron.diloco.layout import check_replicas, describe
-from loco_megatron.training.memory_estimate import estimate, estimate_line
+from loco_megatron.training.memory_estimate import compressed_groups, estimate, estimate_line
 
 # loco_megatron.model and .summary import torch (seconds on a busy machine): they are imported
 # where used, after the checks that need neither, so a bad layout or a missing tokenizer is
@@ -118,13 +118,10 @@ def dry_run_vocab(config: Config, offline: bool = False) -> tuple[int, str]:
 
 def compresses_nothing(config: Config, dp: int, expert_dp: int) -> bool:
     """Whether LoCo would find no gradient to compress: every group it reduces over is one
-    rank (the dense data-parallel group inside a DiLoCo replica, and the expert one), as its
-    gradient hook decides at a real start. Under Megatron-FSDP LoCo compresses the reduction
-    across --num-distributed-optimizer-instances, which the config requires to be > 1."""
-    if config.parallel.use_megatron_fsdp:
-        return False
-    replicas = config.diloco.diloco_replicas or 1
-    return dp // replicas <= 1 and (expert_dp or replicas) // replicas <= 1
+    rank (the dense data-parallel group inside a DiLoCo replica, and the expert one;
+    :func:`~loco_megatron.training.memory_estimate.compressed_groups`, which the memory
+    estimate counts LoCo's buffers by)."""
+    return not any(compressed_groups(config, dp, expert_dp))
 
 
 def dry_run(config: Config, world_size: int, offline: bool = False, world_source: str = "") -> str:

@@ -39,8 +39,16 @@ def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopReque
     for timing in ckpt.take_timings():
         run.logger.log(state.iteration, timing)
     summary = totals.across_ranks(state, run.device, run.env.started_at)  # collective: every rank
+    coordinator = getattr(run.outer, "coordinator", None)
+    if coordinator is not None:  # elastic DiLoCo: this replica's part in the run
+        summary["summary/diloco_outer_steps_taken_part"] = coordinator.took_part
+        summary["summary/diloco_outer_steps_committed"] = coordinator.committed
     if layout.is_logging_rank:
         print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
+        if coordinator is not None:
+            print(f"  DiLoCo replica {config.diloco.diloco_replica_id}: took part in {coordinator.took_part} of the "
+                  f"{coordinator.committed} outer steps committed while it ran; {summary['summary/tokens']:,} "
+                  f"tokens trained by this replica", flush=True)
         run.logger.summary(state.iteration, summary)
     if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
         raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
@@ -51,11 +59,14 @@ def final_outer_step(run, totals: RunTotals) -> None:
     """DiLoCo's final outer step (:meth:`~loco_megatron.diloco.outer.OuterStep.finish`),
     its bytes counted in the summary, and one line saying what it did."""
     t = run.state.iteration
-    done = run.outer.finish(t)
+    if run.config.diloco.elastic:  # a replica that stops early leaves alone: no exchange with the others
+        done = run.outer.finish(t, exchange=t == run.config.train.train_iters)
+    else:
+        done = run.outer.finish(t)
     comm, _ = run.comm_stats.take()
     totals.add_step(comm)
     what = (f"exchanged fragment(s) {', '.join(map(str, done['exchanged']))}" if done["exchanged"]
-            else "every fragment had just synced, nothing to exchange")
+            else "nothing to exchange")
     applied = f", applied {done['in_flight']} exchange(s) in flight" if done["in_flight"] else ""
     sent = f", {comm['comm/outer_bytes_sent'] / 2**20:.2f} MiB sent by rank 0" if done["exchanged"] else ""
     say(run.layout, f"DiLoCo: final outer step at iteration {t}: {what}{applied}{sent}; every replica takes the "

@@ -12,7 +12,7 @@ import torch
 from loco_megatron.checkpoint import Checkpointer
 from loco_megatron.checkpoint.model_shape import model_shape
 from loco_megatron.cli import LaunchEnv
-from loco_megatron.config import Config
+from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets
 from loco_megatron.diloco.flags import ReplicaFlags, cross_replica_gloo_group
 from loco_megatron.diloco.layout import describe as describe_replicas
@@ -113,7 +113,7 @@ def layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
             **({"fsdp": [p.data_parallel_sharding_strategy, p.num_distributed_optimizer_instances]}
                if p.use_megatron_fsdp else {}),
             # DiLoCo: each replica's shards are its own (the same rank order only).
-            **({"diloco_replicas": config.diloco.diloco_replicas} if config.diloco.enabled else {})}
+            **({"diloco_replicas": config.diloco.replicas_in_world} if config.diloco.enabled else {})}
 
 
 def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
@@ -139,7 +139,9 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
                                                                param_sync_factory, optimizer)
     param_sync = param_sync_factory(chunks, optimizer, config.loco, comm_stats)
     grad_sync = grad_sync_factory(chunks, config.loco, comm_stats)
-    outer = outer_step_factory(config, chunks, optimizer, comm_stats, say_fn(layout.is_logging_rank))
+    coordinator = elastic_coordinator(config, env, layout, device) if config.diloco.elastic else None
+    outer = outer_step_factory(config, chunks, optimizer, comm_stats, say_fn(layout.is_logging_rank),
+                               **({"coordinator": coordinator} if coordinator is not None else {}))
     replicas = None
     if needs_replica_average(config.loco.loco_bits, config.parallel.tensor_model_parallel_size):
         from megatron.core import parallel_state
@@ -152,7 +154,10 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     profiler.instrument(chunks, grad_sync)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
-    batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size, layout.dp_rank, layout.dp_size)
+    # Elastic DiLoCo: this job is replica r of R; its samples are replica r's of a one-world run.
+    r, n = (config.diloco.diloco_replica_id, config.diloco.diloco_replicas) if coordinator is not None else (0, 1)
+    batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size, r * layout.dp_size + layout.dp_rank,
+                                 n * layout.dp_size)
     # Several replicas: each one's guard only records its verdict, which the replicas
     # agree on at an outer step (a replica raising alone would leave the others waiting).
     state, guard = TrainerState(), SkipGuard(t.max_skipped_consecutive, defer=layout.replicas > 1)
@@ -167,6 +172,40 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     return Run(config, env, layout, device, chunks, optimizer, scheduler, comm_stats, grad_sync, param_sync, outer,
                 profiler, throughput_for(config.model, vocab, layout.world_size, device, config.logging.peak_tflops),
                 batches, valid_ds, state, guard, stateful, ckpt, resume, vocab, flags=flags)
+
+
+def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, device: torch.device):
+    """This rank's :class:`~loco_megatron.diloco.elastic.ElasticCoordinator` (its torchft
+    Manager starts at the first cycle)."""
+    from loco_megatron.diloco.elastic import ElasticCoordinator
+
+    d = config.diloco
+    if env.store_at is None:
+        raise ConfigError("--diloco-lighthouse: start each replica with torchrun (its Manager needs the job's "
+                          "store: MASTER_ADDR and MASTER_PORT)")
+    return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas, d.diloco_min_replicas,
+                              layout.rank, layout.world_size, env.store_at, device, d.diloco_quorum_timeout_s,
+                              d.diloco_exchange_timeout_s, say_fn(layout.is_logging_rank))
+
+
+def bind_heal(run: Run) -> None:
+    """Elastic DiLoCo: what a heal sends besides the outer state (the iteration and the LR
+    schedule's position) and how this replica takes it (its data position follows the
+    iteration: replica r's samples of iteration t are fixed)."""
+    state, scheduler, batches, layout = run.state, run.scheduler, run.batches, run.layout
+
+    def progress() -> dict:
+        return {"iteration": state.iteration, "scheduler_steps": scheduler.num_steps}
+
+    def take(theirs: dict) -> None:
+        state.iteration = int(theirs["iteration"])
+        scheduler.num_steps = int(theirs["scheduler_steps"])
+        scheduler.step(increment=0)  # the learning rate of that position
+        batches.consumed_samples = state.iteration * batches.gbs
+        say(layout, "DiLoCo: the inner optimizer state is " + (f"this replica's own, from {run.resume}"
+                                                               if run.resume else "fresh (no checkpoint of this replica)"))
+
+    run.outer.bind_progress(progress, take)
 
 
 def start(run: Run, kernels_why: Optional[str]) -> None:
@@ -199,3 +238,8 @@ def start(run: Run, kernels_why: Optional[str]) -> None:
             print(run.stateful["scheduler"].note, flush=True)
     for timing in run.ckpt.take_timings():  # ckpt/load_s
         run.logger.log(run.state.iteration, timing)
+    if config.diloco.elastic:  # join the live replicas (heal from one if behind) before the first step
+        bind_heal(run)
+        say(layout, f"DiLoCo: replica {config.diloco.diloco_replica_id} joins at iteration {run.state.iteration} "
+                    f"(lighthouse {config.diloco.diloco_lighthouse})")
+        run.outer.join(run.state.iteration)

@@ -51,7 +51,7 @@ def layout_line(config: Config, world_size: int, dp: int, expert_dp: int) -> str
         n = p.num_distributed_optimizer_instances
         grids += (f"; Megatron-FSDP {p.data_parallel_sharding_strategy} over {dp // n} ranks"
                   + (f", replicated x{n} (HSDP)" if n > 1 else ""))
-    replicas = config.diloco.diloco_replicas
+    replicas = config.diloco.replicas_in_world
     dp_part = f"DP {dp}" + (f" ({replicas} DiLoCo replicas x DP {dp // replicas})" if replicas > 1 else "")
     return (f"layout: world {world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
             f"x {dp_part} (VPP {p.virtual_pipeline_model_parallel_size or 1}, CP {p.context_parallel_size}){grids}, "
@@ -105,7 +105,7 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         lines.append(
             f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")
-    elif layout.dp_size // max(config.diloco.diloco_replicas, 1) == 1:
+    elif layout.dp_size // max(config.diloco.replicas_in_world, 1) == 1:
         inside = " inside a DiLoCo replica" if config.diloco.diloco_replicas > 1 else ""
         lines.append(f"LoCo: off; no data-parallel group of more than one rank{inside}: no gradients are "
                      f"reduced between ranks at each step")

@@ -26,6 +26,7 @@ from loco_megatron.training.setup import Run, set_up, start
 from loco_megatron.training.signals import StopRequest, decide
 from loco_megatron.training.step import train_step
 from loco_megatron.training.summary import RunTotals
+from loco_megatron.training.watchdog import watchdog_for
 
 
 def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSyncHook,
@@ -42,6 +43,10 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     # (the layout checks are the ones --dry-run makes).
     check_start(config, env.world_size)
     check_replicas(config, env.world_size, config.loco.loco_ranks_per_node or env.local_world_size)
+    if config.diloco.elastic:  # an unreachable lighthouse: one line within seconds, before any set-up
+        from loco_megatron.diloco.elastic import check_lighthouse
+
+        check_lighthouse(config.diloco.diloco_lighthouse)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
     sources = resolve_data(config, cache_dir, say_fn(env.rank == 0), env.hf_hub_offline)
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})
@@ -53,7 +58,8 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     config, kernels_why, build = resolve_loco_kernels(config, platform, env, say_fn(env.rank == 0))
     with platform_context(platform):
         layout = init_distributed(config, platform, env.rank, env.world_size, env.init_method,
-                                  env.distributed_timeout_s)
+                                  env.distributed_timeout_s, env.store_at if env.agent_store else None,
+                                  env.restart_count, env.agents)
         try:
             config, kernels_why = agree_kernels(config, asked, kernels_why, platform.device)
             run = set_up(config, env, platform, layout, sources, cache_dir, grad_sync_factory, param_sync_factory,
@@ -75,13 +81,18 @@ def _loop(run: Run) -> dict:
     DiLoCo's final outer step, the save, the summary). Returns rank 0's last logged metrics."""
     config, layout, state, ckpt, t = run.config, run.layout, run.state, run.ckpt, run.config.train
     d, device = config.data, run.device
-    tokens_per_step = d.global_batch_size * config.model.seq_length
+    # (elastic DiLoCo: this job's share, one replica's of the global batch)
+    tokens_per_step = d.global_batch_size * config.model.seq_length // (
+        config.diloco.diloco_replicas if config.diloco.elastic else 1)
     last: dict = {}
     window = new_window(device, run.outer)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at, launcher_pid=run.env.launcher_pid)
     totals = RunTotals(state.iteration, state.tokens_seen, state.train_time_s)
     stop.discard_stale_file()
     stop.install()
+    watchdog = watchdog_for(run.env, t, layout.rank, layout.world_size)  # a silent rank ends the job in one line
+    if watchdog:
+        watchdog.start()
     try:
         while state.iteration < t.train_iters:
             run.grad_sync.iteration = state.iteration  # drives --loco-warmup-iters
@@ -91,6 +102,8 @@ def _loop(run: Run) -> dict:
                                 run.batches.num_microbatches, config.model.seq_length, d.micro_batch_size, device,
                                 poison=t.nan_poisoned(state.iteration + 1, layout.rank), ranges=run.profiler.ranges)
             state.iteration += 1
+            if watchdog:
+                watchdog.iteration = state.iteration
             if run.outer is not None:  # DiLoCo: the outer step, where the schedule puts one
                 run.outer.after_step(state.iteration)
             run.profiler.after_step(state.iteration)
@@ -126,7 +139,11 @@ def _loop(run: Run) -> dict:
             print(note, flush=True)
         raise
     finally:
+        if watchdog:
+            watchdog.stop()
         stop.restore()
         run.profiler.close()
         run.logger.close()
+        if getattr(run.outer, "coordinator", None) is not None:
+            run.outer.coordinator.shutdown()
     return last

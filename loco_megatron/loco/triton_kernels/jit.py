@@ -68,7 +68,7 @@ def block_absmax(x):
 
 @triton.jit
 def signed_extreme(x, idx, m, B: tl.constexpr):
-    """quantize._signed_extreme of ``[ROWS, K, BK]`` blocks: the first element (block index
+    """quantize.scales._signed_extreme of ``[ROWS, K, BK]`` blocks: the first element (block index
     ``idx``, ``[1, K, BK]``) of magnitude ``m`` (``[ROWS]``, :func:`block_absmax`), with its
     sign; NaN where ``m`` is NaN. Picked on the bits, so a -0.0 stays -0.0."""
     hit = tl.abs(x) == m[:, None, None]
@@ -169,7 +169,7 @@ def mse_pick(err, k):
 
 @triton.jit
 def mix32(x):
-    """quantize._mix32 on uint32 (the products wrap mod 2**32 as the reference masks them)."""
+    """quantize.rounding._mix32 on uint32 (the products wrap mod 2**32 as the reference masks them)."""
     x = ((x >> 16) ^ x) * _HASH_MUL
     x = ((x >> 16) ^ x) * _HASH_MUL
     return (x >> 16) ^ x

@@ -1,0 +1,290 @@
+"""The outer step of elastic DiLoCo (:mod:`.elastic`): :class:`~.outer.OuterStep` driven by
+torchft cycles instead of one world's program order.
+
+At each of its sync points (the schedule's, as in one world) a replica opens a cycle:
+the quorum, the fingerprints, a heal if it is behind; then the fragments that start at
+the cycle's iteration are exchanged among the live replicas, over as many rows as there
+are replicas (the channels are re-laid when that number changes), and the mean is over
+the replicas that contributed. The cycle commits (every rank of every live replica saw
+no failure) or is discarded: no outer update then, the error buffers as before the
+exchange, the local parameters training on. With a delay tau the commit comes tau steps
+after the start, where the single-world step applies. A replica starting (or restarting)
+opens a cycle at once (:meth:`ElasticOuterStep.join`), which waits for the live replicas'
+next sync point and heals it there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from loco_megatron.config import ConfigError, brief
+from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
+from loco_megatron.diloco.exchange import OuterWork
+from loco_megatron.diloco.outer import OuterStep
+from loco_megatron.diloco.outer_math import nesterov_step
+from loco_megatron.failures import RunAborted
+
+
+class ElasticOuterStep(OuterStep):
+    """``coordinator``: this rank's :class:`~.elastic.ElasticCoordinator`; ``replica``: its
+    replica id; ``config_hash``: what every replica must share (:func:`.elastic.config_hash`);
+    ``relay(key)``: a new channel for ``key`` laid over the current quorum (its error
+    buffers at zero); the other arguments are :class:`OuterStep`'s. The trainer binds
+    (:meth:`bind_progress`) what a heal sends and takes besides the outer state."""
+
+    def __init__(self, *args, coordinator: ElasticCoordinator, replica: int, config_hash: int,
+                 relay: Callable[[str], object], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coordinator, self.replica, self.config_hash = coordinator, replica, config_hash
+        self._relay = relay
+        self._progress: Callable[[], dict] = dict
+        self._take_progress: Callable[[dict], None] = lambda state: None
+        self.world = coordinator.expected
+        """Replicas the channels are laid for (first: the replicas expected)."""
+        self._laid = False
+        """Whether a quorum laid the channels out yet."""
+        self._snapshots: dict[str, dict] = {}
+        """Error buffers of the channels exchanging in the open cycle, as before it (a
+        discarded cycle puts them back)."""
+        coordinator.heal_state = self.heal_state
+
+    def bind_progress(self, progress: Callable[[], dict], take_progress: Callable[[dict], None]) -> None:
+        """``progress()``: this replica's iteration and LR schedule position (a dict with
+        ``iteration``); ``take_progress(state)`` sets them (and the data position) from a
+        live replica's :meth:`heal_state`."""
+        self._progress, self._take_progress = progress, take_progress
+
+    # -- what a live replica sends one that heals ---------------------------------------------
+    def heal_state(self) -> dict:
+        """Per rank (rank k of every replica holds the same shards): the agreed parameters
+        and the momentum (by reference: they change only after the cycle commits), the outer
+        step count, the iteration and the LR schedule's position."""
+        return {**self._progress(), "outer_steps": self.outer_steps,
+                "agreed": self.agreed, "momentum": self.momentum if self.mu else None}
+
+    def _heal(self, cycle: Cycle) -> None:
+        state = cycle.healed
+        mine = {k: a.numel() for k, a in self.agreed.items()}
+        theirs = {k: a.numel() for k, a in state["agreed"].items()}
+        if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
+            raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's shards "
+                             f"({theirs} there, {mine} here)")
+        for key, a in self.agreed.items():
+            a.copy_(state["agreed"][key])
+            if self.momentum[key] is not None:
+                if state["momentum"] is None:
+                    self.momentum[key].zero_()
+                else:
+                    self.momentum[key].copy_(state["momentum"][key])
+        dropped = len(self.pending)
+        self.pending, self._snapshots = {}, {}
+        had_errors = any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+        for _, channel, _, _ in self.channels.values():
+            channel.reset()
+        self.outer_steps = int(state["outer_steps"])
+
+        def take(sub: int) -> None:  # local <- agreed, bit for bit, on every rank of the replica
+            for key, (views, _, s, _) in self.channels.items():
+                if s == sub:
+                    views.take(self.agreed[key], 0.0)
+
+        self._run_step(take)
+        source = max(cycle.participants, key=lambda p: (p.iteration, not p.joining, -p.replica)).replica
+        nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
+        self._log(f"DiLoCo: healed from replica {source} over torchft's transport: the agreed parameters and outer "
+                  f"momentum ({nbytes / 2**20:.2f} MiB on rank 0), iteration {state['iteration']} and the LR "
+                  f"schedule's position")
+        if had_errors or dropped:
+            self._log(f"DiLoCo: the outer error buffers start at zero"
+                      + (f" and the {dropped} outer exchange(s) in flight are dropped" if dropped else ""))
+        self._take_progress(state)
+
+    # -- the cycles ----------------------------------------------------------------------------
+    def join(self, t: int) -> None:
+        """At start-up (every rank of the job, before the first step): the first cycle,
+        which waits for the live replicas' next sync point and heals this replica if it is
+        behind. At the start of a run (every replica in the quorum at iteration 0, none
+        training yet) the starting replicas wait, a cycle per second, until the replicas
+        expected are there or --diloco-quorum-timeout-s has passed, so that replicas
+        started together train together from the first step (a replica restarting later
+        asks once: the live ones take it in at their next outer step)."""
+        deadline = time.monotonic() + self.coordinator.quorum_timeout.total_seconds()
+        said = False
+        while True:
+            cycle = self._cycle(t, joining=True)
+            if cycle is None:  # discarded (a participant was refused): ask again until the deadline
+                if t == 0 and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                return
+            starting = not cycle.exchanging and all(p.iteration == 0 for p in cycle.participants)
+            if not starting or cycle.world >= self.coordinator.expected or time.monotonic() > deadline:
+                return
+            if not said:
+                self._log(f"DiLoCo: waiting for the {self.coordinator.expected} replicas expected "
+                          f"({cycle.world} here: {', '.join(map(str, cycle.replicas))})")
+                said = True
+            time.sleep(1.0)
+
+    def after_step(self, t: int) -> None:
+        """Everything the schedule puts after the inner step of iteration ``t``."""
+        sched = self.schedule
+        self._every_step()
+        if sched.delay >= 2:
+            for key in self._keys(sched.second_phase(t)):
+                work = self.pending.get(key, (t, None))[1]
+                if isinstance(work, OuterWork):
+                    work.second_phase()
+        applying = [k for k in self._keys(sched.applies(t) if sched.delay else []) if k in self.pending]
+        if applying:
+            self._close(applying)
+        if sched.starts(t):
+            self._cycle(t, joining=False)
+
+    def _cycle(self, t: int, joining: bool) -> Optional[Cycle]:
+        """One cycle (see the module docstring); the cycle, or None when it was discarded."""
+        mine = Fingerprint(self.replica, self.config_hash, t, joining)
+        try:
+            cycle = self.coordinator.open(mine, self.outer_steps)
+        except TimeoutError:
+            raise RunAborted(f"DiLoCo: no quorum of replicas formed within --diloco-quorum-timeout-s "
+                             f"({self.coordinator.quorum_timeout.total_seconds():.0f} s) at iteration {t}; is the "
+                             f"lighthouse {self.coordinator.lighthouse} up and are the other replicas running?") from None
+        if self.coordinator.refused_here(cycle):  # (before any healed state is applied: it may not fit)
+            error = ConfigError(cycle.refused)
+            error.agreed = True  # every rank of this replica refuses alike: rank 0 says it
+            raise error
+        if cycle.healed is not None:
+            self._heal(cycle)
+        if cycle.refused:  # another participant does not fit: it leaves; this cycle is discarded
+            self._log(f"DiLoCo: {cycle.refused}; that replica is refused, the outer step at iteration "
+                      f"{cycle.iteration} is skipped")
+            self.coordinator.discard(RuntimeError(cycle.refused))
+            self.coordinator.commit()
+            return None
+        self._follow(cycle)
+        if not cycle.exchanging:
+            self.coordinator.commit()
+            return cycle
+        keys = self._keys(self.schedule.starts(cycle.iteration))
+        for key in keys:
+            channel = self.channels[key][1]
+            channel.mean_over = max(cycle.contributors, 1)
+            self._snapshots[key] = channel.state_dict()
+            self._start(key, cycle.iteration)
+        if not self.schedule.delay:
+            self._close(keys)
+        return cycle
+
+    def _follow(self, cycle: Cycle) -> None:
+        """The channels over this cycle's replicas: re-laid when their number changed, and
+        this replica's row (its place among them) wherever it is now."""
+        if cycle.world != self.world:
+            self._lay_out(cycle.world)
+        self._laid = True
+        for _, channel, _, _ in self.channels.values():
+            channel.rank = cycle.rank
+
+    def _lay_out(self, world: int) -> None:
+        """Channels laid over ``world`` replicas (their rows are per replica): fresh ones,
+        error buffers at zero, nothing of the old layout in flight."""
+        before, first = self.world, not self._laid
+        had_errors = any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+        for key, (views, _, sub, frag) in list(self.channels.items()):
+            self.channels[key] = (views, self._relay(key), sub, frag)
+        self.world = world
+        if not first:  # (the first quorum only fixes what the channels were laid for at start-up)
+            self._log(f"DiLoCo: {world} replica(s) take part (were {before}): the outer exchange is re-laid for "
+                      f"{world}" + (", its error buffers start at zero" if had_errors else ""))
+
+    def _close(self, keys: list[str]) -> None:
+        """Finish the cycle's exchanges and commit it: apply their means (as one world's
+        step would) or discard them (error buffers put back, the local parameters as they
+        are). The decision is the same on every rank of this replica, so its optimizer step
+        (the replica's own all-gather) runs on all of them or none."""
+        for key in keys:
+            self._settled_mean_work(key)
+        committed = self.coordinator.commit()
+        if committed:
+            def update(sub: int) -> None:
+                for key in keys:
+                    if self.channels[key][2] == sub:
+                        self._apply(key)
+
+            self._run_step(update)
+            self.outer_steps += 1
+        else:
+            for key in keys:
+                self.pending.pop(key, None)
+                self.channels[key][1].load_state_dict(self._snapshots[key])
+            why = self.coordinator.manager.errored()
+            reason = brief(why.original_exception) if why else "fewer live replicas than --diloco-min-replicas"
+            self._log(f"DiLoCo: the outer step was discarded ({reason}); the replicas train on and the next one "
+                      f"goes on")
+        for key in keys:
+            self._snapshots.pop(key, None)
+
+    def _fragments(self, keys: list[str]) -> list[int]:
+        return sorted({self.channels[k][3] for k in keys})
+
+    def _settled_mean_work(self, key: str) -> None:
+        """Finish ``key``'s exchange (its mean then in :attr:`pending`)."""
+        t, work = self.pending[key]
+        if isinstance(work, OuterWork):
+            work.wait()
+            self._record(work)
+            self.pending[key] = (t, work.delta)
+
+    # -- the end of a run ----------------------------------------------------------------------
+    def finish(self, t: int, exchange: bool = True) -> dict:
+        """The last step ``t``: the cycle in flight is committed or discarded; then, when
+        ``exchange`` (the run reached --train-iters, where every live replica ends), one
+        more cycle over every fragment whose mean gives :attr:`final` on copies (the
+        checkpoint keeps the state before it). Without ``exchange`` (this replica stops
+        alone: the others train on) :attr:`final` is the agreed parameters."""
+        in_flight = [k for k in self.pending]
+        if in_flight:
+            self._close(in_flight)
+        self.final = {key: a.clone() for key, a in self.agreed.items()}
+        if not exchange:
+            return {"exchanged": [], "in_flight": len(in_flight)}
+        sched = self.schedule
+        synced = set(sched.applies(t) if sched.delay else sched.starts(t)) if self.alpha == 0.0 else set()
+        keys = [k for k, (_, _, _, f) in self.channels.items() if f not in synced]
+        if not keys:  # every fragment just synced: the agreed parameters are every replica's already
+            return {"exchanged": [], "in_flight": len(in_flight)}
+        mine = Fingerprint(self.replica, self.config_hash, t, joining=False)
+        cycle = self.coordinator.open(mine, self.outer_steps)
+        if cycle.healed is not None or cycle.refused or not cycle.exchanging:
+            self.coordinator.commit()
+            return {"exchanged": [], "in_flight": len(in_flight)}
+        self._follow(cycle)
+        results = {}
+        for key in keys:
+            views, channel, _, _ = self.channels[key]
+            errors = channel.state_dict()
+            delta = torch.empty_like(self.agreed[key])
+            views.outer_gradient(self.agreed[key], delta)
+            channel.mean_over = max(cycle.contributors, 1)
+            work = channel.start(delta)
+            work.wait()
+            self._record(work)
+            results[key] = (torch.where(work.finite, delta, torch.zeros((), device=delta.device)), errors)
+        committed = self.coordinator.commit()
+        for key, (mean, errors) in results.items():
+            self.channels[key][1].load_state_dict(errors)  # a resume finds them as before
+            if committed:
+                momentum = self.momentum[key].clone() if self.momentum[key] is not None else None
+                nesterov_step(self.final[key], momentum, mean, self.lr, self.mu)
+        return {"exchanged": self._fragments(list(results)) if committed else [], "in_flight": len(in_flight)}
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    def common_state(self) -> dict:
+        return {**super().common_state(), "elastic": self.coordinator.state_dict()}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        super().load_state_dict(sd)
+        self.coordinator.load_state_dict((sd or {}).get("elastic"))

@@ -1,0 +1,117 @@
+"""pretrain_gpt.py of one elastic DiLoCo replica, with what tests/test_elastic.py checks.
+
+Each rank appends one JSON line per outer cycle to ``$LOCO_TEST_DUMP_DIR/replica<R>_rank<K>.jsonl``
+(after the join, after every sync point's cycle, after the run's final step):
+``{"at", "iteration", "outer_steps", "agreed", "momentum", "steps", "live"}`` with
+``agreed``/``momentum`` SHA-256 digests of this rank's shards (rank k holds the same shards
+in every replica) and ``steps`` the ``[consumed samples, data rank, data ranks]`` each
+training step since the last line started from (the sample stream it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
+rank SIGKILLs itself right after launching its first outer exchange at iteration ``T``
+(mid-exchange: its peers are waiting on it). ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
+``LOCO_TEST_RELEASE=PATH``: after step ``Ti`` the rank waits until ``PATH.Ti`` exists (a
+test holds the live replicas before a sync point until a (re)started one is about to ask).
+Before its join every rank touches ``replica<R>_rank<K>.asking.<pid>`` in the dump folder.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+import warnings
+
+import torch.distributed as dist
+
+from loco_megatron.cli import main_config
+from loco_megatron.config import ConfigError
+from loco_megatron.diloco import exchange
+from loco_megatron.diloco.setup import build_outer_step
+from loco_megatron.error_report import report_error
+from loco_megatron.training.trainer import train
+
+
+def _digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        if tensors[key] is not None:
+            h.update(key.encode())
+            h.update(tensors[key].detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
+    outer = build_outer_step(config, chunks, optimizer, stats, log, coordinator=coordinator)
+    out = pathlib.Path(os.environ["LOCO_TEST_DUMP_DIR"]) / \
+        f"replica{config.diloco.diloco_replica_id}_rank{dist.get_rank()}.jsonl"
+    die_at = int(os.environ.get("LOCO_TEST_DIE_IN_EXCHANGE", "0"))
+    now = {"t": 0}
+
+    def dump(at: str, t: int) -> None:
+        record = {"at": at, "iteration": outer._progress().get("iteration", t), "outer_steps": outer.outer_steps,
+                  "agreed": _digest(outer.agreed), "momentum": _digest(outer.momentum), "steps": list(STEPS),
+                  "live": outer.coordinator.live}
+        STEPS.clear()
+        with out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    join, after_step, finish = outer.join, outer.after_step, outer.finish
+
+    hold_at = {int(x) for x in os.environ.get("LOCO_TEST_HOLD_AT", "").split(",") if x}
+
+    def joined(t: int) -> None:
+        out.with_name(f"{out.stem}.asking.{os.getpid()}").touch()
+        join(t)
+        dump("join", t)
+
+    def after(t: int) -> None:
+        now["t"] = t
+        after_step(t)
+        if outer.schedule.starts(t) or outer.schedule.applies(t):
+            dump("cycle", t)
+        if t in hold_at:
+            release, deadline = pathlib.Path(f"{os.environ['LOCO_TEST_RELEASE']}.{t}"), time.monotonic() + 900
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    def finished(t: int, exchange: bool = True) -> dict:
+        done = finish(t, exchange)
+        dump("final", t)
+        return done
+
+    outer.join, outer.after_step, outer.finish = joined, after, finished
+    start = exchange.OuterChannel.start
+
+    def start_then_die(self, delta):
+        work = start(self, delta)
+        if die_at and now["t"] == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-exchange: phase 1 launched, the peers wait on it
+        return work
+
+    exchange.OuterChannel.start = start_then_die
+    return outer
+
+
+STEPS: list = []
+"""``[consumed samples, data rank, data ranks]`` of each step since the last dump."""
+
+
+def _recording_step(step):
+    def recorded(self):
+        STEPS.append([self.consumed_samples, self.dp_rank, self.dp_size])
+        return step(self)
+    return recorded
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    from loco_megatron.data.dataset import MicroBatchIterator
+
+    MicroBatchIterator.step = _recording_step(MicroBatchIterator.step)
+    config, env = main_config(sys.argv[1:])
+    try:  # as pretrain_gpt.py: a refusal is one line and exit status 2
+        train(config, env, outer_step_factory=checked_outer_step)
+    except ConfigError as e:
+        report_error(e, env.rank, env.error_file)
+        sys.exit(2)

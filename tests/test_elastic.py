@@ -1,0 +1,331 @@
+"""Elastic DiLoCo on torchft: replicas as jobs of their own (each a real torchrun, gloo) and a
+torchft Lighthouse, all separate processes; replicas killed, restarted, killed inside an
+exchange, and refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+
+H = 4
+TIMEOUTS = ["--diloco-quorum-timeout-s", "120", "--diloco-exchange-timeout-s", "20"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """A lighthouse and the replica jobs of one elastic run, cleaned up at the end."""
+
+    def __init__(self, tmp: pathlib.Path, cache: str, replicas: int, iters: int, extra: list[str] = ()):
+        self.tmp, self.cache, self.replicas, self.iters, self.extra = tmp, cache, replicas, iters, list(extra)
+        port = _free_port()
+        self.address = f"http://localhost:{port}"
+        env = dict(os.environ, RUST_LOG="info")
+        # join timeout: longer than the replicas' skew at a sync point; heartbeat: how soon a
+        # dead replica is dropped from the next quorum, long enough that a live one starved of
+        # CPU on a loaded machine is not taken for dead (its peers would form a quorum without it).
+        self.lighthouse = subprocess.Popen(
+            ["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "20000",
+             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
+            env=env, stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.jobs: dict[str, subprocess.Popen] = {}
+        (tmp / "dump").mkdir(exist_ok=True)
+        deadline = time.monotonic() + 120
+        while True:  # the lighthouse's port accepts
+            try:
+                socket.create_connection(("localhost", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and self.lighthouse.poll() is None, "the lighthouse did not start"
+                time.sleep(0.2)
+
+    def args(self, replica: int, *more: str) -> list[str]:
+        return [*TINY, "--train-iters", str(self.iters), "--lr-decay-iters", str(self.iters),
+                "--diloco-replicas", str(self.replicas), "--diloco-inner-steps", str(H), "--diloco-outer-bits", "4",
+                "--diloco-lighthouse", self.address, "--diloco-replica-id", str(replica), *TIMEOUTS, *self.extra,
+                *more]
+
+    def start(self, name: str, replica: int, *more: str, nproc: int = 1, env: dict = None) -> subprocess.Popen:
+        cmd, base = torchrun_command(nproc, self.args(replica, *more), self.cache, self.tmp / f"{name}.jsonl",
+                                     script="tests/elastic_check.py")
+        base.update(RUST_LOG="error", LOCO_TEST_DUMP_DIR=str(self.tmp / "dump"), **(env or {}))
+        log = open(self.tmp / f"{name}.log", "w")
+        self.jobs[name] = subprocess.Popen(cmd, cwd=REPO, env=base, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        return self.jobs[name]
+
+    def hold(self, *iterations: int) -> dict:
+        """The environment that holds a job after each of ``iterations`` until
+        :meth:`start_then_release` lets it go on (tests/elastic_check.py)."""
+        return {"LOCO_TEST_HOLD_AT": ",".join(map(str, iterations)), "LOCO_TEST_RELEASE": str(self.tmp / "release")}
+
+    def start_then_release(self, name: str, replica: int, held_at: int, *more: str) -> None:
+        """Start a job, wait until it is about to ask for its first quorum, then release the
+        jobs held after ``held_at``: the live replicas meet it at their next sync point,
+        however long its start-up takes on a loaded machine."""
+        pattern = f"replica{replica}_rank0.asking.*"
+        asked = set((self.tmp / "dump").glob(pattern))
+        self.start(name, replica, *more)
+        deadline = time.monotonic() + 600
+        while not set((self.tmp / "dump").glob(pattern)) - asked:
+            assert self.jobs[name].poll() is None, self.log(name)[-3000:]
+            assert time.monotonic() < deadline, f"{name} did not start"
+            time.sleep(0.2)
+        (self.tmp / f"release.{held_at}").touch()
+
+    def metrics(self, name: str) -> list[dict]:
+        return read_metrics(self.tmp / f"{name}.jsonl")
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def wait_iteration(self, name: str, iteration: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(m.get("iteration", 0) >= iteration for m in self.metrics(name)):
+            assert self.jobs[name].poll() is None, self.log(name)[-3000:]
+            assert time.monotonic() < deadline, f"{name} did not reach iteration {iteration}"
+            time.sleep(0.2)
+
+    def wait_log(self, name: str, text: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name):
+            assert self.jobs[name].poll() is None, self.log(name)[-3000:]
+            assert time.monotonic() < deadline, f"{name} did not print {text!r}"
+            time.sleep(0.2)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a replica job: its agent and its workers (each in a session of its own)."""
+        proc = self.jobs[name]
+        workers = [int(p) for p in pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        for pid in [proc.pid, *workers]:
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+
+    def finish(self, name: str, timeout: float = 900) -> int:
+        return self.jobs[name].wait(timeout=timeout)
+
+    def dumps(self, replica: int, rank: int = 0) -> list[dict]:
+        path = self.tmp / "dump" / f"replica{replica}_rank{rank}.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def close(self) -> None:
+        for proc in [*self.jobs.values(), self.lighthouse]:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in [*self.jobs.values(), self.lighthouse]:
+            proc.wait(timeout=60)
+
+
+def _committed(dumps: list[dict]) -> dict[int, dict]:
+    """iteration -> the last record of a cycle at that iteration (after its commit)."""
+    return {d["iteration"]: d for d in dumps if d["at"] in ("cycle", "join")}
+
+
+@pytest.fixture(scope="module")
+def kill_and_rejoin(cache_dir, tmp_path_factory) -> dict:
+    """3 replica jobs of one rank: replica 2 is SIGKILLed mid-interval after iteration 6
+    and restarted from its own checkpoint of iteration 4 once the others are past 14. The
+    others wait after step 15 until the restarted job is about to ask for a quorum (its
+    start-up on a loaded machine can take longer than their remaining steps)."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    run = Run(tmp, cache_dir, replicas=3, iters=28, extra=["--global-batch-size", "12"])  # a share for each of 3
+    hold = run.hold(15)
+    try:
+        for r in range(3):
+            run.start(f"r{r}", r, "--save", str(tmp / f"ck{r}"), "--save-interval", "4", env=hold)
+        for r in range(3):
+            run.wait_iteration(f"r{r}", 1)
+        run.wait_iteration("r2", 6)
+        killed_at = max(m["iteration"] for m in run.metrics("r2") if "iteration" in m)
+        run.kill("r2")
+        run.wait_iteration("r0", 14)
+        run.start_then_release("r2b", 2, 15, "--load", str(tmp / "ck2"), "--save", str(tmp / "ck2"),
+                               "--save-interval", "4")
+        codes = {name: run.finish(name) for name in ("r0", "r1", "r2b")}
+        return {"run": run, "codes": codes, "killed_at": killed_at}
+    finally:
+        run.close()
+
+
+def test_survivors_train_on_and_agree_when_a_replica_dies(kill_and_rejoin):
+    """Guards against one replica's death stopping or stalling the others (one failure
+    domain), against survivors whose agreed parameters drift apart once the quorum shrinks,
+    and against a dead replica never being dropped: replicas 0 and 1 train to the end
+    (every iteration logged, loss falling), no step of theirs waits longer than the quorum
+    timeout plus one exchange's, each says replica 2 left, and after every outer step they
+    hold bit-identical agreed parameters and outer momentum."""
+    run, codes = kill_and_rejoin["run"], kill_and_rejoin["codes"]
+    assert codes["r0"] == 0 and codes["r1"] == 0, (run.log("r0")[-2000:], run.log("r1")[-2000:])
+    for name in ("r0", "r1"):
+        losses = train_losses(run.metrics(name))
+        assert sorted(losses) == list(range(1, run.iters + 1)), name
+        assert losses[run.iters] < losses[kill_and_rejoin["killed_at"]] - 0.05, losses
+        steps = [m["train/step_s"] for m in run.metrics(name) if "train/step_s" in m and m["iteration"] != 15]
+        assert max(steps) < 120 + 20, max(steps)  # --diloco-quorum-timeout-s + --diloco-exchange-timeout-s
+        assert "replica 2 left" in run.log(name), run.log(name)[-3000:]
+    a, b = _committed(run.dumps(0)), _committed(run.dumps(1))
+    common = sorted(set(a) & set(b))
+    assert len(common) >= run.iters // H - 1, common
+    for it in common:
+        assert (a[it]["agreed"], a[it]["momentum"]) == (b[it]["agreed"], b[it]["momentum"]), it
+    assert a[run.iters]["outer_steps"] >= run.iters // H - 1
+
+
+def test_a_restarted_replica_heals_and_then_agrees_bit_for_bit(kill_and_rejoin):
+    """Guards against a restarted replica that resumes its own stale state (its checkpoint
+    of iteration 4 while the others are past 14), re-trains or skips its samples, or ends
+    up with agreed parameters or momentum of its own: it heals from a live replica at the
+    next outer step (the agreed parameters, momentum, iteration and LR schedule over
+    torchft's transport; its inner optimizer from its own checkpoint; one line each), the
+    others see it join, from then on its agreed parameters and momentum equal theirs bit
+    for bit after every outer step, and every step it trains reads replica 2's own samples
+    of that iteration (data rank 2 of 3, position iteration x global batch)."""
+    run = kill_and_rejoin["run"]
+    log = run.log("r2b")
+    assert kill_and_rejoin["codes"]["r2b"] == 0, log[-3000:]
+    assert "DiLoCo: healed from replica" in log and "the inner optimizer state is this replica's own" in log, log
+    assert "replica 2 joined" in run.log("r0")
+    dumps = run.dumps(2)
+    rejoin = [d for d in dumps if d["at"] == "join"][-1]  # (the first join is the killed run's)
+    assert rejoin["iteration"] > 14, rejoin
+    mine, theirs = _committed(dumps), _committed(run.dumps(0))
+    after = sorted(it for it in set(mine) & set(theirs) if it >= rejoin["iteration"])
+    assert after and after[-1] >= run.iters - H, after
+    for it in after:
+        assert (mine[it]["agreed"], mine[it]["momentum"]) == (theirs[it]["agreed"], theirs[it]["momentum"]), it
+    restarted = [d for d in dumps if dumps.index(d) >= dumps.index(rejoin)]
+    steps = [s for d in restarted for s in d["steps"]]
+    gbs = 12
+    assert steps and steps[0][0] == rejoin["iteration"] * gbs, steps[:2]
+    assert all(s[1:] == [2, 3] for s in steps) and all(b[0] - a[0] == gbs for a, b in zip(steps, steps[1:]))
+    tokens = next(m for m in run.metrics("r2b") if "summary/tokens" in m)["summary/tokens"]
+    assert tokens == len(steps) * gbs // 3 * 64, tokens  # this replica's share of each step it trained
+
+
+def test_a_replica_dying_inside_an_exchange_is_discarded_everywhere(cache_dir, tmp_path):
+    """Guards against a half-applied outer step when a replica dies in the middle of an
+    exchange (phase 1 launched, its peer waiting on it): the survivor discards that outer
+    step (agreed parameters, momentum and outer-step count as before it), says so, and
+    the next outer step goes on without the dead replica."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=16)
+    try:
+        run.start("r0", 0)
+        run.start("r1", 1, env={"LOCO_TEST_DIE_IN_EXCHANGE": "8"})
+        code = run.finish("r0")
+        assert code == 0, run.log("r0")[-3000:]
+        assert run.jobs["r1"].wait(timeout=120) != 0
+    finally:
+        run.close()
+    log = run.log("r0")
+    assert "the outer step was discarded" in log, log[-3000:]
+    cycles = _committed(run.dumps(0))
+    assert (cycles[8]["agreed"], cycles[8]["momentum"], cycles[8]["outer_steps"]) == \
+        (cycles[4]["agreed"], cycles[4]["momentum"], cycles[4]["outer_steps"]), cycles
+    assert cycles[12]["outer_steps"] == cycles[8]["outer_steps"] + 1 and cycles[12]["live"] == [0], cycles[12]
+    assert sorted(train_losses(run.metrics("r0"))) == list(range(1, 17))
+
+
+def test_two_ranks_per_replica_exchange_rank_by_rank(cache_dir, tmp_path):
+    """Guards against rank k of one replica meeting another rank than rank k of the others
+    (each holds its own shard of the optimizer), and against the replica's own world and
+    the torchft groups getting in each other's way: 2 replica jobs of 2 ranks (inner DP 2)
+    train to the end, and after every outer step rank 0 holds the same agreed parameters in
+    both replicas, and so does rank 1, while ranks 0 and 1 hold different shards."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=12)
+    try:
+        for r in range(2):
+            run.start(f"r{r}", r, nproc=2)
+        codes = [run.finish(f"r{r}") for r in range(2)]
+        assert codes == [0, 0], (run.log("r0")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    for rank in (0, 1):
+        a, b = _committed(run.dumps(0, rank)), _committed(run.dumps(1, rank))
+        assert {4, 8, 12} <= set(a) & set(b)
+        assert all(a[it]["agreed"] == b[it]["agreed"] for it in (4, 8, 12))
+    assert _committed(run.dumps(0, 0))[12]["agreed"] != _committed(run.dumps(0, 1))[12]["agreed"]
+
+
+def test_bad_replicas_are_refused_in_one_line_and_the_run_goes_on(cache_dir, tmp_path):
+    """Guards against a second job with a replica id already live, or a replica with
+    another model shape, joining the run (torchft itself tells neither apart: a duplicate
+    id gets a fresh suffix, and collectives of mismatched sizes abort the process): each is
+    refused with one line naming the problem (the worker's exit status 2) when it meets the live replica,
+    which trains on to the end."""
+    # (quorum timeout 30 s: the live job waits that long at the start for the replica expected)
+    run = Run(tmp_path, cache_dir, replicas=2, iters=40, extra=["--diloco-quorum-timeout-s", "30"])
+    try:
+        run.start("live", 0, env=run.hold(3, 7))
+        run.wait_log("live", "DiLoCo: waiting for the 2 replicas expected")  # its first cycle is done
+        run.start_then_release("duplicate", 0, 3)
+        assert run.jobs["duplicate"].wait(timeout=600) != 0, run.log("duplicate")[-3000:]  # (torchrun: 1)
+        run.start_then_release("other_shape", 1, 7, "--hidden-size", "128")
+        assert run.jobs["other_shape"].wait(timeout=600) != 0, run.log("other_shape")[-3000:]
+        assert run.finish("live") == 0, run.log("live")[-3000:]
+    finally:
+        run.close()
+    for name, line in (("duplicate", "pretrain_gpt.py: error: --diloco-replica-id 0: another live job already runs "
+                                     "as replica 0 (each replica id once)"),
+                       ("other_shape", "pretrain_gpt.py: error: --diloco-replica-id 1: its model shape, layout or "
+                                       "outer settings differ from the run's (replica 0's)")):
+        errors = [ln for ln in run.log(name).splitlines() if "pretrain_gpt.py: error:" in ln]
+        assert errors and all(ln.endswith(line.split("error: ", 1)[1]) for ln in errors), run.log(name)[-3000:]
+    assert sorted(train_losses(run.metrics("live"))) == list(range(1, 41))
+
+
+def test_an_unreachable_lighthouse_is_one_line_within_seconds(tmp_path, cache_dir):
+    """Guards against a replica that hangs (or tracebacks) when the lighthouse is not up: one
+    line naming the address, exit 2, long before any quorum timeout would fire."""
+    port = _free_port()
+    args = [*TINY, "--train-iters", "4", "--diloco-replicas", "2", "--diloco-lighthouse", f"http://localhost:{port}",
+            "--diloco-replica-id", "0"]
+    cmd, env = torchrun_command(1, args, cache_dir, tmp_path / "m.jsonl")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 240
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("pretrain_gpt.py: error:")]
+    assert lines == [f"pretrain_gpt.py: error: --diloco-lighthouse: http://localhost:{port} cannot be reached "
+                     f"([Errno 111] Connection refused); start it with torchft_lighthouse --min_replicas 1 --bind "
+                     f"[::]:PORT (docs/diloco.md)"], proc.stderr[-2000:]
+
+
+def test_refusal_keeps_the_job_that_was_there_first():
+    """Guards against a second job started with a live replica's id (or another model
+    shape) displacing the live one: at the start of a run both sit at iteration 0 and
+    joining, and the tie went to whichever torchft ranked first, so the live job was
+    refused and the newcomer trained on. The job that opened more cycles stays; a
+    participant further on in iterations stays over any newcomer."""
+    from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
+
+    def refused(*ps: Fingerprint) -> tuple[str, set]:
+        return ElasticCoordinator._refusal(Cycle(len(ps), 0, list(ps), False, 0))
+
+    live, newcomer = Fingerprint(0, 7, 0, True, cycles=5), Fingerprint(0, 7, 0, True, cycles=0)
+    for order in ((newcomer, live), (live, newcomer)):
+        line, ranks = refused(*order)
+        assert "another live job already runs as replica 0" in line and ranks == {order.index(newcomer)}
+    line, ranks = refused(Fingerprint(1, 9, 0, True, cycles=0), Fingerprint(0, 7, 0, True, cycles=3))
+    assert line.startswith("--diloco-replica-id 1: its model shape") and ranks == {0}
+    line, ranks = refused(Fingerprint(1, 7, 0, True, cycles=50), Fingerprint(0, 9, 12, False, cycles=2))
+    assert line.startswith("--diloco-replica-id 1:") and ranks == {0}  # the one 12 iterations on is the run
+    assert refused(Fingerprint(0, 7, 4, False, cycles=1), Fingerprint(1, 7, 4, False, cycles=1)) == ("", set())
