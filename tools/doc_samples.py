@@ -13,10 +13,11 @@ the lines each printed (all, or those its patterns pick). The runs execute, as t
 shows them, in one scratch folder (``--workdir``, default a new temporary one) that links
 ``pretrain_gpt.py``, ``tools/``, ``configs/`` and ``benchmarks/`` of this checkout, so what
 they write (``ckpt/``, ``runs/``, ``data/``) stays there; a run whose files another reads
-runs first. ``--write`` replaces each block with the rendered one; ``--check`` compares
-them with every number masked (:func:`mask`): wording or format that changed is reported
-with a diff, figures that differ from run to run (times, losses) are not. ``--check``
-exits 1 on any difference.
+runs first. What libraries write around the program's lines (progress bars, Python
+warnings) is left out (:func:`program_lines`). ``--write`` replaces each block with the
+rendered one; ``--check`` compares them with every number masked (:func:`mask`): wording
+or format that changed is reported with a diff, figures that differ from run to run
+(times, losses) are not. ``--check`` exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ MARKER = re.compile(r"^<!-- sample: ([\w.-]+) -->$")
 LINKED = ("pretrain_gpt.py", "tools", "configs", "benchmarks")
 """What the scratch folder links from this checkout (the paths the commands name)."""
 NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
+PROGRESS = re.compile(r"\[\d+:\d+(?:<[^,\]]*)?,\s*[^\]]*(?:/s|s/\w+)\]$")
+"""The end of a tqdm progress-bar line (``168doc [00:04, 33.89doc/s]``,
+``Generating train split: 0 examples [00:00, ? examples/s]``): a terminal redraws it in
+place, a pipe gets every redraw as a line; it is the libraries' output, not the program's."""
+WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
+"""A Python warning's first line (``.../optimizer.py:28: UserWarning: ...``); the next line,
+indented, is the source line that raised it (``  warnings.warn(``)."""
 
 
 def pages() -> list[pathlib.Path]:
@@ -198,6 +206,27 @@ def _session_pids(session: int) -> list[int]:
     return sorted(found)
 
 
+def program_lines(lines: list[str]) -> list[str]:
+    """``lines`` without what a library writes around the program's own lines: progress
+    bars (:data:`PROGRESS`), Python warnings (:data:`WARNING`, each with the indented source
+    line below it) and the blank lines next to either (a bar's carriage returns reach a
+    pipe as empty lines)."""
+    noise = [False] * len(lines)
+    for i, line in enumerate(lines):
+        if PROGRESS.search(line.strip()) or WARNING.match(line):
+            noise[i] = True
+        elif i and line.startswith("  ") and WARNING.match(lines[i - 1]):
+            noise[i] = True
+
+    def near_noise(i: int, step: int) -> bool:
+        while 0 <= i < len(lines) and not lines[i].strip():
+            i += step
+        return 0 <= i < len(lines) and noise[i]
+
+    return [line for i, line in enumerate(lines)
+            if not noise[i] and (line.strip() or not (near_noise(i, -1) or near_noise(i, 1)))]
+
+
 def render(name: str, runner: Runner) -> list[str]:
     """The fenced block of sample ``name``, from its runs' commands and output."""
     sample = spec.SAMPLES[name]
@@ -209,11 +238,12 @@ def render(name: str, runner: Runner) -> list[str]:
         if part.command:
             shown = run.command.split("\n")
             out += [f"$ {shown[0]}", *shown[1:]] if sample.style == "console" else shown
-        lines = runner.output(part.run, part.log)
+        lines = program_lines(runner.output(part.run, part.log))
         if part.picks is not None:
             lines = [line for line in lines if any(re.search(p, line) for p in part.picks)]
         comment = "# " if sample.style in ("bash", "python") else ""
-        out += [f"{comment}{line}".rstrip() for line in lines]
+        # a line that is already a comment (launch.py render's "# node 0") stays as printed
+        out += [(line if line.startswith("#") else f"{comment}{line}").rstrip() for line in lines]
     return out + ["```"]
 
 
