@@ -22,7 +22,7 @@ what the targets are stated in. Median of ``--repeats`` runs after one warm-up.
     python benchmarks/kernels.py --smoke
     python benchmarks/kernels.py --mechanisms --sizes 16M   # torch vs torch.compile vs C++, 1 thread
     python benchmarks/kernels.py --options --sizes 16M      # 2-bit default / each option vs 4-bit, 1 thread
-    python benchmarks/kernels.py --param-gather             # one parameter gather's apply: torch, old C++, fused
+    python benchmarks/kernels.py --param-gather             # one parameter gather's apply: torch, C++ decode + add_, fused
 """
 
 from __future__ import annotations
@@ -223,8 +223,8 @@ def param_gather_apply(n: int, bits: int, repeats: int, worlds=(2, 8)) -> None:
     """One thread: the apply of one compressed parameter gather (``ParamGatherWork.wait``:
     every gathered row decoded and added to its shard, the own shard's metric norms and
     spare copy) of an ``n``-element bucket, fp32 and bf16 parameters, over each ``W`` in
-    ``worlds``, by the torch reference (decode a chunk, add_), the old C++ path (the C++
-    decode of a chunk into an fp32 delta, then add_) and the fused C++ decode-and-apply;
+    ``worlds``, by the torch reference (decode a chunk, add_), the C++ decode of a chunk into
+    an fp32 delta followed by torch's add_ (``decode+add_``) and the fused C++ decode-and-apply;
     and the fused apply of a gather in which no shard moved (every scale zero: each block
     costs a read of its scale and of its parameters). CPU time, :func:`_cpu_rounds`."""
     from loco_megatron.loco import cpu_kernels
@@ -238,7 +238,7 @@ def param_gather_apply(n: int, bits: int, repeats: int, worlds=(2, 8)) -> None:
     named = "/".join((opts.quantizer, opts.scale, opts.rotation, opts.rounding))
     print(f"parameter-gather apply of one gather, {n:,}-element bucket, {bits}-bit ({named}), 1 thread, CPU time, "
           f"{repeats} interleaved rounds (medians; x: median over rounds of the round's ratio)")
-    print(f"  {'params':<6} {'W':>2} {'torch ref':>10}   {'old C++ (decode, add_)':<22}   {'fused':<34}   "
+    print(f"  {'params':<6} {'W':>2} {'torch ref':>10}   {'C++ decode + add_':<22}   {'fused':<46}   "
           f"fused, no shard moved")
     for dtype, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for world in worlds:
@@ -257,16 +257,16 @@ def param_gather_apply(n: int, bits: int, repeats: int, worlds=(2, 8)) -> None:
             still = torch.stack([encode_delta(rows[j], rows[j], fast) for j in range(world)])
             times = _cpu_rounds({
                 "torch": lambda: apply_gathered(recv, ref, buffer, shard, 0),
-                "old": lambda: apply_gathered(recv, fast, buffer, shard, 0, fused=False),
+                "decode": lambda: apply_gathered(recv, fast, buffer, shard, 0, fused=False),
                 "fused": lambda: apply_gathered(recv, fast, buffer, shard, 0),
                 "still": lambda: apply_gathered(still, fast, buffer, shard, 0)}, repeats)
 
             def cell(name: str, base: str = "torch") -> str:
                 ms = statistics.median(times[name]) * 1e3
                 return f"{ms:7.1f} ms = {statistics.median(a / b for a, b in zip(times[name], times[base])):5.3f}x"
-            fused_vs_old = statistics.median(a / b for a, b in zip(times["fused"], times["old"]))
+            fused_vs_decode = statistics.median(a / b for a, b in zip(times["fused"], times["decode"]))
             print(f"  {dname:<6} {world:>2} {statistics.median(times['torch']) * 1e3:7.1f} ms   "
-                  f"{cell('old') + ' torch':<22}   {cell('fused') + f' torch = {fused_vs_old:5.3f}x old':<34}   "
+                  f"{cell('decode') + ' torch':<22}   {cell('fused') + f' torch = {fused_vs_decode:5.3f}x decode+add_':<46}   "
                   f"{cell('still', 'fused')} fused", flush=True)
 
 
@@ -305,7 +305,7 @@ def main() -> None:
                          "on the selected kernels, first size, one thread")
     ap.add_argument("--param-gather", action="store_true",
                     help="instead: the apply of one compressed parameter gather (--param-gather-bits --bits), fp32 "
-                         "and bf16, W=2 and 8, first size, one thread: torch vs the old C++ path vs the fused kernel")
+                         "and bf16, W=2 and 8, first size, one thread: torch vs a C++ decode + torch's add_ vs the fused kernel")
     ap.add_argument("--profile-call", action="store_true",
                     help="instead: two compress steps of the first size at --bits (its default options) on the "
                          "selected kernels, one thread, timed by nothing: for an instruction-counting profiler, e.g. "

@@ -7,7 +7,7 @@ number in it is one a script printed (none is typed in).
 Reads ``RESULTS/speed`` (``benchmarks/speed.py --out``), ``RESULTS/quality``
 (``benchmarks/quality.py --out``) and ``RESULTS/kernels.txt`` (the output of
 ``benchmarks/kernels.py``), copies the plots next to the markdown, and computes the
-headline ratios against the targets of the benchmark issue. The 2-bit section comes
+headline figures next to the project's targets (:mod:`figures`). The 2-bit section comes
 from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
 ``RESULTS/quality2bit_long`` and ``RESULTS/quality2bit_descent`` (``--iters 400``) when present;
 
@@ -31,6 +31,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import figures  # noqa: E402
 import report_diloco  # noqa: E402
 import report_fast  # noqa: E402
 
@@ -77,9 +78,12 @@ def _wire(speed_dir: pathlib.Path) -> str:
 
 
 def headline_speed(md: str) -> list[str]:
-    """Targets: issue 13 (LoCo 4-bit step <= 1.15x the baseline on an unshaped link, <= 0.7x at
-    1 Gbit/s on 2x1, two-hop <= flat on 2x2 at 1 Gbit/s) and issue 14 (gradient + parameter
-    bytes of LoCo 4-bit + 4-bit parameters <= 0.3x of bf16's, step <= 0.6x at 1 Gbit/s)."""
+    """Table rows (:mod:`figures`) of the speed tables' figures that have targets: LoCo 4-bit
+    step / bf16 step (target <= 1.15x on an unshaped link, <= 0.7x at 1 Gbit/s), gradient +
+    parameter bytes of LoCo 4-bit + 4-bit parameters / bf16's (<= 0.3x) and its step (<= 0.6x
+    at 1 Gbit/s), two-hop step / flat step on 2x2 (<= 1x); and beside them the figures that
+    explain them (bf16's exposed sync, the compress and decompress time per step where the
+    step ratio is above its target, the bytes to other nodes)."""
     out = []
     for heading in re.findall(r"^### (.+)$", md, flags=re.M):
         rows = _rows(md, heading)
@@ -92,68 +96,71 @@ def headline_speed(md: str) -> list[str]:
         exposed_share = float(bf16[3]) / (float(bf16[0]) * 1e3)
         fast = "unshaped" in heading
         comp, decomp = (float(x) for x in loco[4].split("/"))
-        why = (f" LoCo 4-bit spends {comp:.0f} ms per step compressing (on the backward pass) and "
-               f"{decomp:.0f} ms decompressing, against a whole bf16 step of {float(bf16[0]) * 1e3:.0f} ms.")
         target = 1.15 if fast else 0.7
-        verdict = "met" if step_ratio <= target else f"missed by {step_ratio / target:.2f}x"
-        if fast:
-            out.append(f"- {heading}: LoCo 4-bit step time {step_ratio:.2f}x bf16's (target <= {target}x: {verdict})."
-                       + (why if step_ratio > target else ""))
-        else:
-            out.append(f"- {heading}: bf16's exposed gradient sync is {exposed_share:.0%} of its step; LoCo 4-bit "
-                       f"step time {step_ratio:.2f}x bf16's (target <= {target}x: {verdict}), gradient-sync time "
-                       f"{comm_ratio:.2f}x." + (why if step_ratio > target else ""))
+        if not fast:
+            out.append(figures.row(heading, "bf16 reduce-scatter: exposed gradient sync / its step",
+                                   f"{exposed_share:.0%}"))
+        out.append(figures.row(heading, "LoCo 4-bit step / bf16 step", f"{step_ratio:.2f}x", f"<= {target}x"))
+        if not fast:
+            out.append(figures.row(heading, "LoCo 4-bit gradient-sync time / bf16's", f"{comm_ratio:.2f}x"))
+        if step_ratio > target:
+            out.append(figures.row(heading, "LoCo 4-bit compress (on the backward pass) / decompress per step; "
+                                   "bf16 step", f"{comp:.0f} / {decomp:.0f} ms; {float(bf16[0]) * 1e3:.0f} ms"))
         p4 = rows.get("LoCo 4-bit + params 4-bit")
         if p4:
             nbytes = lambda row: float(row[5].replace(",", "")) + float(row[7].replace(",", ""))  # noqa: E731
-            ratio = nbytes(p4) / nbytes(bf16)
-            line = (f"  - LoCo 4-bit + params 4-bit: gradient + parameter bytes {ratio:.3f}x bf16's "
-                    f"(target <= 0.3x: {'met' if ratio <= 0.3 else 'missed'}), step {float(p4[8]):.2f}x bf16's")
-            if not fast:
-                line += f" (target <= 0.6x: {'met' if float(p4[8]) <= 0.6 else f'missed by {float(p4[8]) / 0.6:.2f}x'})"
-            out.append(line + f"; LoCo 4-bit alone: step {step_ratio:.2f}x.")
+            out.append(figures.row(heading, "LoCo 4-bit + params 4-bit: gradient + parameter bytes / bf16's",
+                                   f"{nbytes(p4) / nbytes(bf16):.3f}x", "<= 0.3x"))
+            out.append(figures.row(heading, "LoCo 4-bit + params 4-bit: step / bf16 step", f"{float(p4[8]):.2f}x",
+                                   "" if fast else "<= 0.6x"))
         two_hop = rows.get("LoCo 4-bit, flat (no two-hop)")
         if two_hop:
             inter = lambda row: float(row[6].replace(",", ""))  # noqa: E731
             flat_step = float(two_hop[8])
-            out.append(f"  - two-hop LoCo 4-bit sends {inter(loco):,.0f} gradient bytes per rank per step to other "
-                       f"nodes, {inter(loco) / inter(bf16):.3f}x the flat bf16 reduce-scatter's {inter(bf16):,.0f}; "
-                       f"flat LoCo 4-bit: {inter(two_hop) / inter(bf16):.3f}x, step {flat_step:.2f}x bf16's (two-hop "
-                       f"step <= flat: {'met' if step_ratio <= flat_step else 'missed'}).")
+            out.append(figures.row(heading, "gradient bytes per rank per step to other nodes: two-hop LoCo 4-bit, "
+                                   "flat LoCo 4-bit, bf16 reduce-scatter",
+                                   f"{inter(loco):,.0f} ({inter(loco) / inter(bf16):.3f}x), {inter(two_hop):,.0f} "
+                                   f"({inter(two_hop) / inter(bf16):.3f}x), {inter(bf16):,.0f}"))
+            out.append(figures.row(heading, "two-hop LoCo 4-bit step / flat LoCo 4-bit step",
+                                   f"{step_ratio / flat_step:.2f}x", "<= 1x"))
     return out
 
 
 def headline_quality(md: str) -> list[str]:
+    """Rows for the loss study: LoCo 4-bit's gap to full precision (target within 1%), and the
+    original 2-bit scheme with and without error feedback (target: without is worse)."""
     rows = _quality_rows(md)
     out = []
     loco4 = rows.get("LoCo 4-bit")
     if loco4:
-        gap = float(loco4[2].rstrip("%"))
-        out.append(f"- LoCo 4-bit final eval loss {gap:+.2f}% vs full precision "
-                   f"(target within 1%: {'met' if abs(gap) <= 1 else 'missed'}).")
+        out.append(figures.row(QUALITY_SETTING, "LoCo 4-bit final eval loss vs full precision", loco4[2],
+                               "within 1%"))
     loco2, noef2 = rows.get("LoCo 2-bit"), rows.get("2-bit, no error feedback")
     if loco2 and noef2:
-        a, b = float(loco2[0].split()[0]), float(noef2[0].split()[0])
-        out.append(f"- 2-bit: LoCo {a:.4f} vs no error feedback {b:.4f} final eval loss "
-                   f"(no-feedback {'clearly worse' if b > a + 0.02 else 'not clearly worse'}).")
+        out.append(figures.row(QUALITY_SETTING, "original 2-bit scheme final eval loss: LoCo; without error feedback",
+                               f"{loco2[0].split()[0]}; {noef2[0].split()[0]}", "without above LoCo"))
     return out
 
 
+QUALITY_SETTING = "loss study (section 2)"
+
+
 def headline_kernels(text: str) -> list[str]:
-    """Target lines from ``kernels.py``'s rows (elements, threads, kernels, copy GB/s,
-    compress GB/s, ratio, cpu ratio, decomp+sum GB/s, ratio, cpu ratio): the fast path's
-    rows on one thread (or the GPU's), wall-clock ratios with the CPU-time ones beside."""
+    """Rows from ``kernels.py``'s rows (elements, threads, kernels, copy GB/s, compress GB/s,
+    ratio, cpu ratio, decomp+sum GB/s, ratio, cpu ratio): the fast path's rows on one thread
+    (or the GPU's), wall-clock ratios with the CPU-time ones beside (targets: compress >=
+    0.25x of a memory copy, decompress-and-sum >= 0.3x)."""
     rows = [c for c in map(str.split, text.splitlines()) if len(c) == 10 and c[0].replace(",", "").isdigit()]
     fast = {c[2] for c in rows} - {"torch"} or {"torch"}
     out = []
     for c in rows:
         if c[2] not in fast or c[1] not in ("1", "-"):
             continue
-        comp, dec = float(c[5]), float(c[8])
-        out.append(f"- {c[0]} elements, {c[2]} kernels, {c[1]} thread: compress {comp:.3f}x memory copy "
-                   f"(CPU time {c[6]}x; target >= 0.25x: {'met' if comp >= 0.25 else f'missed by {0.25 / comp:.1f}x'}), "
-                   f"decompress+sum {dec:.3f}x (CPU time {c[9]}x; target >= 0.3x: "
-                   f"{'met' if dec >= 0.3 else f'missed by {0.3 / dec:.1f}x'}).")
+        setting = f"{c[0]} elements, {c[2]} kernels, {c[1]} thread"
+        out.append(figures.row(setting, "compress / memory copy (CPU time)", f"{float(c[5]):.3f}x ({c[6]}x)",
+                               ">= 0.25x"))
+        out.append(figures.row(setting, "decompress+sum / memory copy (CPU time)", f"{float(c[8]):.3f}x ({c[9]}x)",
+                               ">= 0.3x"))
     return out
 
 
@@ -206,6 +213,7 @@ def main() -> None:
         "",
         HEADLINES_INTRO,
         "",
+        *figures.HEADER,
         *headline_speed(speed),
         *headline_quality(quality),
         *headline_kernels(kernels),
@@ -227,7 +235,9 @@ def main() -> None:
         "## 2. Loss parity (`benchmarks/quality.py`)",
         "",
         "Final and best eval loss of the same training with each gradient sync: mean ± standard",
-        "deviation over the seeds, and the gap of the mean to full precision.",
+        "deviation over the seeds, and the gap of the mean to full precision. The 2-bit rows run the",
+        "original scheme (symmetric grid, absmax scale: `quality.py`'s `loco2`, `ef2`, `noef2`);",
+        "what `--loco-bits 2` runs by default is in section 7.",
         "",
         *_printed_by(commands, "benchmarks/quality.py"),
         re.sub(r"^# (.*)$", r"*\1*", quality, count=1, flags=re.M),
@@ -357,17 +367,17 @@ def _quality_rows(md: str) -> dict[str, list[str]]:
 
 
 def headline_two_bit(md: str, label: str) -> list[str]:
-    """Target (issue 17): LoCo 2-bit final eval loss within 1% of full precision."""
+    """Rows for one 2-bit study: the best LoCo 2-bit variant's gap to full precision (target
+    within 1%), and the original scheme's (the ``LoCo 2-bit`` row) beside it."""
     rows = {k: v for k, v in _quality_rows(md).items() if k.startswith("LoCo 2-bit")}
     if not rows:
         return []
     best = min(rows, key=lambda k: float(rows[k][2].rstrip("%")))
-    gap = float(rows[best][2].rstrip("%"))
-    out = [f"- 2-bit ({label}): best {best} final eval loss {gap:+.2f}% vs full precision "
-           f"(target within 1%: {'met' if abs(gap) <= 1 else 'missed'})"]
+    out = [figures.row(label, f"best 2-bit variant, {best}: final eval loss vs full precision", rows[best][2],
+                       "within 1%")]
     if "LoCo 2-bit" in rows and best != "LoCo 2-bit":
-        out[-1] += f"; the original 2-bit scheme {rows['LoCo 2-bit'][2]}"
-    out[-1] += "."
+        out.append(figures.row(label, "original 2-bit scheme (LoCo 2-bit): final eval loss vs full precision",
+                               rows["LoCo 2-bit"][2]))
     return out
 
 
@@ -396,7 +406,8 @@ def two_bit_section(res: pathlib.Path) -> list[str]:
            "--seeds 1234,1235",
            "python benchmarks/report.py --results results --sections 2bit", "```", ""]
     for md, label in parts:
-        out += [*headline_two_bit(md, label), "", re.sub(r"^# (.*)$", r"*\1*", md, count=1, flags=re.M), ""]
+        out += [*figures.HEADER, *headline_two_bit(md, label), "",
+                re.sub(r"^# (.*)$", r"*\1*", md, count=1, flags=re.M), ""]
     return out
 
 
@@ -413,8 +424,8 @@ INTRO = [
 ]
 """The page's opening paragraph (what a reader can do with it)."""
 HEADLINES_HEADING = "## Headlines against the targets"
-HEADLINES_INTRO = ("Each line gives a measured figure, the project's target for it and whether the measurement "
-                   "meets it; the numbered sections below hold the full tables.")
+HEADLINES_INTRO = ("Each row gives a figure a script printed (or a ratio of two) and the project's target for it, "
+                   "where it has one; the numbered sections below hold the full tables.")
 
 
 def _printed_by(commands: str, script: str) -> list[str]:
@@ -426,8 +437,8 @@ def _printed_by(commands: str, script: str) -> list[str]:
 
 def gpu_section(res: pathlib.Path) -> list[str]:
     """The GPU check's own output (device, per-step exit codes, kernel-test result,
-    throughput tables, training lines) and the person's ``notes.md`` on it, or nothing
-    when no GPU check ran."""
+    throughput tables), the one-GPU training run's losses and the person's ``notes.md`` on
+    it, or nothing when no GPU check ran."""
     d = res / "gpu"
     if not (d / "summary.txt").exists():
         return []
@@ -438,16 +449,38 @@ def gpu_section(res: pathlib.Path) -> list[str]:
         return [ln for ln in text if ln.strip() and "warn" not in ln.lower() and keep(ln)]
 
     tests = lines("kernel_tests.txt", lambda ln: ln.startswith("FAILED") or re.search(r"\d+ (passed|failed)", ln))
-    train = lines("train_1gpu.txt", lambda ln: ln.startswith(("model:", "layout:", "iter ")))
-    return [GPU_HEADING, "",
-            "One prepared script on a lent GPU: the Triton kernel tests compiled for the device,",
-            "kernel throughput against a device-to-device copy (ratio = copy time / kernel time)",
-            "and a one-GPU training run on NCCL (a DP group of one: no compression on the wire).",
+    return [GPU_HEADING, "", *GPU_INTRO,
             "", "```bash", "OUT=results/gpu bash benchmarks/gpu_check.sh",
             "python benchmarks/report.py --results results --sections gpu", "```",
             "", "```", *lines("gpu.txt"), "", *lines("summary.txt"), "", *tests, "", *lines("kernels_4bit.txt"),
-            "", *lines("kernels_2bit.txt"), "", *train, "```", "",
+            "", *lines("kernels_2bit.txt"), "```", "", *_training_losses(lines("train_1gpu.txt")), "",
             *([(d / "notes.md").read_text().strip(), ""] if (d / "notes.md").exists() else [])]
+
+
+GPU_INTRO = [
+    "One prepared script on a lent GPU: the Triton kernel tests compiled for the device,",
+    "kernel throughput against a device-to-device copy (ratio = copy time / kernel time),",
+    "LoCo's per-bucket hot path under `torch.cuda.set_sync_debug_mode(\"error\")`",
+    "(`benchmarks/sync_check.py`), a one-GPU training run on NCCL (a DP group of one: no",
+    "compression on the wire), and several ranks on the one GPU over gloo",
+    "(`benchmarks/gpu_ranks.py`, docs/platform.md): 2 ranks with LoCo 4-bit and the",
+    "overlapped 4-bit parameter gather, a save and a resume checked bit for bit against the",
+    "unbroken run, 4 ranks with the 2-bit defaults, and Megatron-FSDP on 2 ranks. The output",
+    "below holds the steps that ran: the sync-debug and multi-rank steps are not in it.",
+]
+"""What section 9 covers (its opening paragraph)."""
+
+
+def _training_losses(log: list[str]) -> list[str]:
+    """The one-GPU run's logged losses (from its iteration and eval lines) as a table: the
+    run's figures, not its console lines, whose format is the program's of the day it ran."""
+    train = {int(m.group(1)): m.group(2) for m in map(re.compile(r"iter (\d+)/\d+ \| loss (\S+)").match, log) if m}
+    evals = {int(m.group(1)): m.group(2) for m in map(re.compile(r"iter (\d+) \| eval loss (\S+)").match, log) if m}
+    if not train:
+        return []
+    out = ["The one-GPU training run (`train_1gpu.txt`), its logged losses:", "",
+           "| iteration | train loss | eval loss |", "|---|---|---|"]
+    return out + [f"| {i} | {train.get(i, '')} | {evals.get(i, '')} |" for i in sorted(train.keys() | evals.keys())]
 
 
 PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (quality.py --variants 2bit)"),
@@ -497,18 +530,17 @@ def update_section(name: str, res: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def replace_headlines(text: str, prefix: str, lines: list[str]) -> str:
-    """``text`` with the headline list's lines starting with ``prefix`` replaced by
-    ``lines``, at the end of that list (a list item's continuation lines go with it)."""
+    """``text`` with the headline table's rows starting with ``prefix`` replaced by
+    ``lines``, at the end of that table."""
     start = text.index(HEADLINES_HEADING)
     end = text.index("\n## ", start + 1)
-    items, keep = text[start:end].rstrip("\n").split("\n"), True
-    kept = []
-    for line in items:
-        if line.startswith("- "):
-            keep = not line.startswith(prefix)
-        if keep:
-            kept.append(line)
-    return text[:start] + "\n".join(kept + lines) + "\n" + text[end:]
+    kept = [line for line in text[start:end].rstrip("\n").split("\n") if not line.startswith(prefix)]
+    rows = [i for i, line in enumerate(kept) if line.startswith("|")]
+    if rows:
+        kept[rows[-1] + 1:rows[-1] + 1] = lines
+    elif lines:
+        kept += ["", *figures.HEADER, *lines]
+    return text[:start] + "\n".join(kept) + "\n" + text[end:]
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     python benchmarks/report.py --results results --sections fast
 
 Reads the outputs of the commands in :data:`COMMANDS` (each written under
-``RESULTS/fast``) and states every target of the issue as met or missed, with the
-figures the scripts printed. Step-time ratios are to the baseline of the compute dtype
+``RESULTS/fast``) and puts each figure with a target next to it in a table
+(:mod:`figures`). Step-time ratios are to the baseline of the compute dtype
 the speed script picked on this machine (``speed.py --dtype auto``: where bf16 matmuls
 are many times slower than fp32 ones, the runs train in fp32 and the baseline is
 megatron's fp32 reduce-scatter, which sends twice the bytes of a bf16 one).
@@ -15,6 +15,8 @@ from __future__ import annotations
 import pathlib
 import re
 import statistics
+
+import figures
 
 HEADING = "## 10. Fast defaults on the fused kernels (`kernels.py --options`, `speed.py`)"
 
@@ -64,10 +66,6 @@ def _baseline(rows: dict) -> str:
     return "bf16 reduce-scatter" if "bf16 reduce-scatter" in rows else "fp32 reduce-scatter"
 
 
-def _verdict(value: float, target: float) -> str:
-    return "met" if value <= target else f"missed by {value / target:.2f}x"
-
-
 def _option_ratios(text: str) -> list[tuple[float, float]]:
     """(compress, decompress+sum) ratios of the 2-bit default in a ``kernels.py --options`` output."""
     pattern = (r"\s+2-bit default \(uniform/mse/hadamard/nearest\)\s+compress\s+\S+ ms =\s+(\S+)x 4-bit\s+"
@@ -75,15 +73,24 @@ def _option_ratios(text: str) -> list[tuple[float, float]]:
     return [(float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text)]
 
 
+def _runs(ratios: list[float]) -> str:
+    """``1.40, 1.47x (median 1.43x)``: each run's ratio and their median."""
+    return f"{', '.join(f'{r:.2f}' for r in ratios)}x (median {statistics.median(ratios):.2f}x)"
+
+
+def _count(runs: int) -> str:
+    return f"{runs} run{'' if runs == 1 else 's'}"
+
+
 def _option_lines(texts: list[str]) -> list[str]:
     runs = [r for t in texts for r in _option_ratios(t)]
     if not runs:
         return []
-    comp, dec = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-    return [f"- CPU, one thread, 16M elements, {len(runs)} runs: the 2-bit default compresses in "
-            f"{', '.join(f'{r[0]:.2f}' for r in runs)}x the 4-bit kernel's CPU time (median {comp:.2f}x; target "
-            f"<= 1.2x: {_verdict(comp, 1.2)}), decompresses and sums in {', '.join(f'{r[1]:.2f}' for r in runs)}x "
-            f"(median {dec:.2f}x; target <= 1.2x: {_verdict(dec, 1.2)})."]
+    setting = f"CPU, one thread, 16M elements, {_count(len(runs))}"
+    return [figures.row(setting, "2-bit default compress / 4-bit kernel's, CPU time", _runs([r[0] for r in runs]),
+                        "<= 1.2x"),
+            figures.row(setting, "2-bit default decompress+sum / 4-bit kernel's, CPU time",
+                        _runs([r[1] for r in runs]), "<= 1.2x")]
 
 
 def _speed_lines(fast: pathlib.Path) -> list[str]:
@@ -93,8 +100,7 @@ def _speed_lines(fast: pathlib.Path) -> list[str]:
         rows = _table(one.read_text())
         if {"LoCo 4-bit", "LoCo 2-bit"} <= rows.keys():
             r = _step(rows, "LoCo 2-bit") / _step(rows, "LoCo 4-bit")
-            out.append(f"- 1x2, loopback: the 2-bit default's training step is {r:.2f}x the 4-bit step "
-                       f"(target <= 1.10x: {_verdict(r, 1.10)}).")
+            out.append(figures.row("1x2, loopback", "2-bit default step / 4-bit step", f"{r:.2f}x", "<= 1.10x"))
     two = fast / "speed_2x1" / "speed.md"
     if two.is_file():
         rows = _table(two.read_text())
@@ -102,9 +108,10 @@ def _speed_lines(fast: pathlib.Path) -> list[str]:
         if {"LoCo 4-bit", "LoCo 4-bit + params 4-bit", base} <= rows.keys():
             p4 = _step(rows, "LoCo 4-bit + params 4-bit") / _step(rows, base)
             l4 = _step(rows, "LoCo 4-bit") / _step(rows, base)
-            out.append(f"- 2x1 at 1 Gbit/s: LoCo 4-bit + params 4-bit step {p4:.2f}x the {base}'s (target <= 0.6x: "
-                       f"{_verdict(p4, 0.6)}), LoCo 4-bit alone {l4:.2f}x (target: the first below the second: "
-                       f"{'met' if p4 < l4 else 'missed'}).")
+            out.append(figures.row("2x1 at 1 Gbit/s", f"LoCo 4-bit + params 4-bit step / {base} step", f"{p4:.2f}x",
+                                   "<= 0.6x"))
+            out.append(figures.row("2x1 at 1 Gbit/s", f"LoCo 4-bit step / {base} step", f"{l4:.2f}x",
+                                   "above the row before"))
     flat, i16_label = "LoCo 4-bit, flat (no two-hop)", "LoCo 4-bit, two-hop, bf16 inside the node"
     out += _two_hop_line(sorted(fast.glob("speed_2x2_[a-z]/speed.md")), "", "")
     out += _two_hop_line(sorted(fast.glob("speed_2x2p4_[a-z]/speed.md")), " + params 4-bit",
@@ -113,11 +120,11 @@ def _speed_lines(fast: pathlib.Path) -> list[str]:
     if slow.is_file():
         for heading, rows in _tables(slow.read_text()).items():
             if {flat, "LoCo 4-bit"} <= rows.keys():
-                parts = [f"two-hop {_step(rows, 'LoCo 4-bit') / _step(rows, flat):.2f}x flat's step"]
+                out.append(figures.row(heading, "two-hop step / flat step",
+                                       f"{_step(rows, 'LoCo 4-bit') / _step(rows, flat):.2f}x"))
                 if i16_label in rows:
-                    parts.append(f"with bf16 inside the node {_step(rows, i16_label) / _step(rows, flat):.2f}x")
-                out.append(f"- {heading}, a slower link (the uncompressed parameter all-gather's bytes take most of "
-                           f"these steps): {', '.join(parts)}.")
+                    out.append(figures.row(heading, "two-hop with bf16 inside the node, step / flat step",
+                                           f"{_step(rows, i16_label) / _step(rows, flat):.2f}x"))
     return out
 
 
@@ -134,33 +141,30 @@ def _two_hop_line(paths: list, suffix: str, note: str) -> list[str]:
                           _step(rows, i16_label) / _step(rows, flat) if i16_label in rows else None))
     if not pairs:
         return []
-    ratios = [p[0] for p in pairs]
-    line = (f"- 2x2 at 1 Gbit/s{note}, {len(pairs)} runs: two-hop (the default, 8 bits inside the node) step / "
-            f"flat step {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}; target "
-            f"<= 1: {_verdict(statistics.median(ratios), 1.0)})")
+    setting = f"2x2 at 1 Gbit/s{note}, {_count(len(pairs))}"
+    out = [figures.row(setting, "two-hop (8 bits inside the node) step / flat step", _runs([p[0] for p in pairs]),
+                       "<= 1x")]
     i16 = [p[1] for p in pairs if p[1] is not None]
     if i16:
-        line += (f"; two-hop with bf16 inside the node {', '.join(f'{x:.2f}' for x in i16)} (median "
-                 f"{statistics.median(i16):.2f}: {_verdict(statistics.median(i16), 1.0)})")
-    return [line + "."]
+        out.append(figures.row(setting, "two-hop with bf16 inside the node, step / flat step", _runs(i16), "<= 1x"))
+    return out
 
 
-HEADLINE = "- Fast defaults (section 10): "
-"""The prefix of this section's lines in the page's headline list (replaced on each update)."""
+HEADLINE = "| section 10: "
+"""The prefix of this section's rows in the page's headline table (replaced on each update)."""
 
 
 def headlines(res: pathlib.Path) -> list[str]:
-    """The headline list's lines for this section: each target's verdict, one line each,
-    and the GPU targets' state; [] when ``RESULTS/fast`` holds none of the outputs."""
+    """The headline table's rows for this section (its figures with targets, and the GPU
+    targets' state); [] when ``RESULTS/fast`` holds none of the outputs."""
     fast = res / "fast"
     if not fast.is_dir():
         return []
     texts = [p.read_text() for p in sorted(fast.glob("options*.txt"))]
     lines = [HEADLINE + line[2:] for line in _option_lines(texts) + _speed_lines(fast)]
     if lines and not (res / "gpu" / "summary.txt").is_file():
-        lines.append(HEADLINE + "GPU (every kernel >= 0.7x of device-copy bandwidth at 64M+ elements): not "
-                     "measured (section 9's GPU check ran other versions of these kernels; "
-                     "`bash benchmarks/gpu_check.sh` measures them on a GPU).")
+        lines.append(figures.row("section 10: GPU", "every kernel / device-copy bandwidth, 64M+ elements",
+                                 "not measured (`bash benchmarks/gpu_check.sh` measures it)", ">= 0.7x"))
     return lines
 
 
@@ -178,11 +182,12 @@ def section(res: pathlib.Path) -> list[str]:
            "What the default settings cost on this machine: the 2-bit default on the fused C++ kernels",
            "against the 4-bit kernel (one thread; the cases interleaved round by round), the parameter",
            "gather's fused decode-and-apply against the torch reference and a C++ decode followed by",
-           "torch's `add_` (the `old C++` column), the kernels at training shapes against the torch",
+           "torch's `add_`, the kernels at training shapes against the torch",
            "reference, and training steps on the simulated cluster. Step ratios are to the baseline of",
            "the compute dtype the speed script picked (see its first line in each run).",
            "", "```bash", *COMMANDS, "python benchmarks/report.py --results results --sections fast", "```", "",
-           "Against the targets:", "", *heads, ""]
+           "Against the targets (on the slower links the uncompressed parameter all-gather's bytes take most of",
+           "each step):", "", *figures.HEADER, *heads, ""]
     for name, body in text.items():
         out += ["```", body, "```", ""]
     for path in [fast / "speed_1x2" / "speed.md", fast / "speed_2x1" / "speed.md",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,7 @@ def test_kernels_option_ratios_smoke(cpu_kernels_built):
 
 def test_kernels_param_gather_smoke():
     """Guards against the parameter-gather benchmark (one gather's apply: torch reference,
-    old C++ decode then add_, fused decode-and-apply, and a gather where no shard moved)
+    C++ decode then torch's add_, fused decode-and-apply, and a gather where no shard moved)
     breaking or losing a case: one row per parameter dtype and world size, each with its
     four ratios; never asserts timings."""
     out = _run(["benchmarks/kernels.py", "--param-gather", "--smoke"]).stdout.splitlines()
@@ -76,7 +77,7 @@ def test_kernels_param_gather_smoke():
     for r in rows:
         ratios = [float(t[:-1]) for t in r if t.endswith("x")]
         assert len(ratios) == 4 and all(x > 0 for x in ratios), r
-        assert [r[i + 1] for i, t in enumerate(r) if t.endswith("x")] == ["torch", "torch", "old", "fused"], r
+        assert [r[i + 1] for i, t in enumerate(r) if t.endswith("x")] == ["torch", "torch", "decode+add_", "fused"], r
 
 
 def test_kernels_mechanisms_and_speed_dtype(monkeypatch, capsys):
@@ -220,15 +221,19 @@ def test_report_rewrites_only_the_named_section(tmp_path, monkeypatch):
     assert "keep me" in text and text.endswith("- end\n") and text.count("| tiny | torch |") == 1
     assert (text.index("## 5. Pre") < text.index(report.CHECKPOINT_HEADING) < text.index(report.TWO_BIT_HEADING)
             < text.index("## What the numbers mean"))
-    assert "best LoCo 2-bit (uniform + mse) final eval loss +0.60%" in text and "met" in text
-    assert "original 2-bit scheme +3.60%" in text
+    section = text.split(report.TWO_BIT_HEADING, 1)[1].split("\n## ", 1)[0]
+    assert ("| 200 steps | best 2-bit variant, LoCo 2-bit (uniform + mse): final eval loss vs full precision "
+            "| +0.60% | within 1% |") in section
+    assert "| 200 steps | original 2-bit scheme (LoCo 2-bit): final eval loss vs full precision | +3.60% |  |" in section
+    assert not re.search(r"\b(met|missed)\b", section), section  # figures against targets, no verdict prose
 
 
 def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
-    """Guards against `report.py --sections fast` appending its headline lines again on
-    every run (or dropping the other headlines), and against a verdict not computed from
-    the scripts' outputs: 1.30x against a 1.2x target is missed by 1.08x, a 1.05x step
-    against 1.10x is met."""
+    """Guards against `report.py --sections fast` appending its headline rows again on
+    every run (or dropping the other rows), against a figure not computed from the scripts'
+    outputs (1.30x compress against a 1.2x target, a 1.05x step against 1.10x), and against
+    a verdict in prose ("met", "missed by") where the table's measured and target columns
+    say it."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import report
     import report_fast
@@ -242,7 +247,8 @@ def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
     (fast / "speed_1x2" / "speed.md").write_text(
         f"# speed\n\n### 1x2\n\n| LoCo 4-bit | 100.0 | {cells} |\n| LoCo 2-bit | 105.0 | {cells} |\n")
     page = tmp_path / "b.md"
-    page.write_text("# B\n\n## Headlines against the targets\n\n- old headline\n  - its detail\n\n"
+    page.write_text("# B\n\n## Headlines against the targets\n\nintro\n\n| setting | figure | measured | target |\n"
+                    "|---|---|---|---|\n| 2x1 | old row | 0.5x | <= 0.7x |\n\n"
                     "## 5. Pre\n\nkeep me\n\n## What the numbers mean\n\n- end\n")
     for _ in range(2):
         monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path), "--out", str(page),
@@ -250,10 +256,14 @@ def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
         report.main()
     text = page.read_text()
     heads = text.split("## Headlines against the targets", 1)[1].split("\n## ", 1)[0]
-    assert heads.count(report_fast.HEADLINE) == 3, heads  # compress, 1x2 step, GPU not lent
-    assert "- old headline\n  - its detail\n" in heads and text.count(report_fast.HEADING) == 1
-    assert "median 1.30x; target <= 1.2x: missed by 1.08x" in heads
-    assert "training step is 1.05x the 4-bit step (target <= 1.10x: met)" in heads
+    assert heads.count(report_fast.HEADLINE) == 4, heads  # compress, decompress, 1x2 step, GPU not lent
+    assert "| 2x1 | old row | 0.5x | <= 0.7x |\n| section 10: " in heads and text.count(report_fast.HEADING) == 1
+    assert ("| section 10: CPU, one thread, 16M elements, 1 run | 2-bit default compress / 4-bit kernel's, CPU time "
+            "| 1.30x (median 1.30x) | <= 1.2x |") in heads
+    assert "| section 10: 1x2, loopback | 2-bit default step / 4-bit step | 1.05x | <= 1.10x |" in heads
+    section = text.split(report_fast.HEADING, 1)[1].split("\n## ", 1)[0]
+    assert "| 1x2, loopback | 2-bit default step / 4-bit step | 1.05x | <= 1.10x |" in section
+    assert not re.search(r"\b(met|missed)\b", heads + section)
     assert "keep me" in text and text.endswith("- end\n")
 
 
