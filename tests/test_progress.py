@@ -97,6 +97,36 @@ def test_build_folder_is_keyed_on_the_sources_and_the_checkout(tmp_path, monkeyp
     assert as_checkout(csrc) not in (ours, theirs)
 
 
+def test_sources_newer_than_the_build_need_a_build(tmp_path, monkeypatch):
+    """Guards against a run taking a build folder's finished-build mark for current when
+    its sources were rewritten since (a fresh clone of the same checkout path, a `git
+    checkout`): ninja recompiles by modification time, so `--loco-kernels auto` then
+    compiled for minutes in the foreground at start-up (three elastic replica jobs sat
+    behind one such build) instead of training on torch while the background build ran."""
+    import os
+    import shutil
+
+    from loco_megatron.loco import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    csrc = tmp_path / "checkout" / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(csrc / f.name for f in cpu_kernels.SOURCES))
+    monkeypatch.setattr(cpu_kernels, "HEADERS", tuple(csrc / f.name for f in cpu_kernels.HEADERS))
+    mark = cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK
+    mark.touch()
+    for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
+        os.utime(f, (mark.stat().st_mtime - 10,) * 2)
+    assert not cpu_kernels.needs_build()
+    header = cpu_kernels.HEADERS[-1]
+    os.utime(header, (mark.stat().st_mtime + 10,) * 2)  # rewritten, same contents: same folder
+    assert cpu_kernels.build_directory() == mark.parent and cpu_kernels.needs_build()
+    mark.touch()
+    os.utime(mark, (header.stat().st_mtime + 1,) * 2)  # rebuilt after it
+    assert not cpu_kernels.needs_build()
+
+
 def _resolve(argv, tmp_path, monkeypatch):
     """resolve_loco_kernels on a CPU device for ``argv``, the C++ build and load replaced by
     recorders; returns (kernels, why, what was started or loaded, the lines printed)."""

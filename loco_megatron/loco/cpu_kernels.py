@@ -88,9 +88,16 @@ def build_directory() -> pathlib.Path:
 
 
 def needs_build() -> bool:
-    """Whether loading the kernels compiles them first (no finished build in
-    :func:`build_directory` yet)."""
-    return not (build_directory() / BUILT_MARK).is_file()
+    """Whether loading the kernels compiles them first: no finished build in
+    :func:`build_directory` yet, or a source or header newer than it. ninja decides by
+    modification time, so a fresh clone or a checkout that rewrote the files (same
+    contents, same folder name) recompiles; a run that took the old build for current
+    would then compile in the foreground at start-up instead of in the background."""
+    mark = build_directory() / BUILT_MARK
+    if not mark.is_file():
+        return True
+    built = mark.stat().st_mtime
+    return any(f.stat().st_mtime > built for f in (*SOURCES, *HEADERS))
 
 
 def build_failure() -> Optional[str]:
