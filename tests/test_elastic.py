@@ -329,3 +329,21 @@ def test_refusal_keeps_the_job_that_was_there_first():
     line, ranks = refused(Fingerprint(1, 7, 0, True, cycles=50), Fingerprint(0, 9, 12, False, cycles=2))
     assert line.startswith("--diloco-replica-id 1:") and ranks == {0}  # the one 12 iterations on is the run
     assert refused(Fingerprint(0, 7, 4, False, cycles=1), Fingerprint(1, 7, 4, False, cycles=1)) == ("", set())
+
+
+def test_an_elastic_jobs_batch_line_is_its_share_of_the_global_batch():
+    """Guards against the start-up batch line of a replica job describing the whole global
+    batch (`micro 2 x 6 micro batches x DP 1 = global 12 samples`) while the job trains on
+    its share (12 / 3 replicas = 4 samples in 2 micro batches), which made its tokens per
+    step and the run summary's token count disagree by the replica count."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.training import summary
+
+    argv = ["--global-batch-size", "12", "--micro-batch-size", "2", "--diloco-replicas", "3"]
+    one_job = parse_config(argv)
+    assert summary.batch_line(one_job, 3) == "batch: micro 2 x 2 micro batches x DP 3 = global 12 samples = " \
+        f"{12 * one_job.model.seq_length:,} tokens per step"
+    elastic = parse_config([*argv, "--diloco-replica-id", "1", "--diloco-lighthouse", "http://localhost:1"])
+    assert summary.batch_line(elastic, 1) == (
+        f"batch: micro 2 x 2 micro batches x DP 1 = 4 samples = {4 * elastic.model.seq_length:,} tokens per step "
+        "in this replica job (global 12 over 3 replica jobs)")

@@ -85,6 +85,26 @@ DATA_ARGS = ('ARGS="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --se
              '  --data-path data/corpus_text_document --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/hf_tok \\\n'
              '  --loco-bits 4 --save runs/hf_demo/ckpt"')
 HF_TOKENIZER = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model data/hf_tok"
+ELASTIC_SITES = """mkdir -p runs
+torchft_lighthouse --min_replicas 1 --bind "[::]:29510" --quorum_tick_ms 100 \\
+    --join_timeout_ms 10000 --heartbeat_timeout_ms 5000 > runs/lighthouse.log 2>&1 &
+site() {  # replica $1, a job of its own (more flags after it)
+  torchrun --standalone --nproc_per_node 1 pretrain_gpt.py --global-batch-size 12 --micro-batch-size 2 \\
+      --diloco-replicas 3 --diloco-replica-id $1 --diloco-lighthouse http://localhost:29510 \\
+      --diloco-inner-steps 32 --train-iters 640 --save runs/site$1 --save-interval 32 "${@:2}" > runs/site$1.log 2>&1
+}
+site 0 & site 1 & site 2 &
+# replica 2 lost (every rank killed) in its fifth outer interval
+until grep -q "^iter 150/" runs/site2.log; do sleep 1; done
+pkill -KILL -f "diloco-replica-id [2]"
+# restarted from its own last checkpoint once the others have seen it leave
+until grep -q "replica 2 left" runs/site0.log; do sleep 1; done
+mv runs/site2.log runs/site2.killed.log
+site 2 --load runs/site2 &
+wait %2 %3 %5; kill %1"""
+"""diloco.md's elastic example: a lighthouse and three replica jobs on one machine, one
+replica killed mid-interval and restarted (the pkill pattern's ``[2]`` keeps it from
+matching the shell that runs these lines)."""
 
 RUNS: dict[str, Run] = {
     # README, training.md, loco.md: the README's first command, 200 steps
@@ -218,6 +238,10 @@ RUNS: dict[str, Run] = {
                     'text = "def add(a, b):\\n    return a + b\\n"\n'
                     'print(hf(text)["input_ids"] == train.tokenize(text), hf(text)["input_ids"][:8])\nEOF',
                     after=("data-export",)),
+    # diloco.md: two replicas in one job; three replica jobs on torchft, one killed and restarted
+    "diloco-run": Run("torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --loco-bits 4 --diloco-replicas 2 \\\n"
+                      "    --diloco-inner-steps 32 --train-iters 256"),
+    "diloco-sites": Run(ELASTIC_SITES, timeout=1800, folder="sites"),
 }
 
 SAMPLES: dict[str, Sample] = {
@@ -265,4 +289,11 @@ SAMPLES: dict[str, Sample] = {
     "data-render": Sample((Part("data-render"),), "bash"),
     "data-export": Sample((Part("data-export"),), "bash"),
     "data-ids": Sample((Part("data-ids"),), "bash"),
+    "diloco-run": Sample((Part("diloco-run", (r"^DiLoCo: \d", r"^iter (32|64|256)/256 ", r"^DiLoCo: final outer",
+                                              r"^  between replicas")),), "bash"),
+    "diloco-sites": Sample((Part("diloco-sites", ()),), "bash"),
+    "diloco-left": Sample((Part("diloco-sites", (r"^DiLoCo: (replica 2 |\d replica)",), command=False,
+                                log="runs/site0.log"),), "output"),
+    "diloco-join": Sample((Part("diloco-sites", (r"^resuming from", r"^DiLoCo: (replica 2 joins|replica \d joined|healed|the)",
+                                                 r"^  DiLoCo replica"), command=False, log="runs/site2.log"),), "output"),
 }

@@ -47,7 +47,7 @@ def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopReque
         print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
         if coordinator is not None:
             print(f"  DiLoCo replica {config.diloco.diloco_replica_id}: took part in {coordinator.took_part} of the "
-                  f"{coordinator.committed} outer steps committed while it ran; {summary['summary/tokens']:,} "
+                  f"{coordinator.committed} outer steps committed while it was live; {summary['summary/tokens']:,} "
                   f"tokens trained by this replica", flush=True)
         run.logger.summary(state.iteration, summary)
     if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it

@@ -60,10 +60,16 @@ def layout_line(config: Config, world_size: int, dp: int, expert_dp: int) -> str
 
 
 def batch_line(config: Config, dp: int) -> str:
+    """``dp``: this job's data-parallel size. An elastic DiLoCo job is one replica of
+    ``--diloco-replicas`` and trains on its share of the global batch."""
     d, m = config.data, config.model
-    return (f"batch: micro {d.micro_batch_size} x {d.global_batch_size // (d.micro_batch_size * dp)} "
-            f"micro batches x DP {dp} = global {d.global_batch_size} samples = "
-            f"{d.global_batch_size * m.seq_length:,} tokens per step")
+    jobs = config.diloco.diloco_replicas if config.diloco.elastic else 1
+    samples = d.global_batch_size // jobs
+    head = f"batch: micro {d.micro_batch_size} x {samples // (d.micro_batch_size * dp)} micro batches x DP {dp} = "
+    if jobs == 1:
+        return f"{head}global {samples} samples = {samples * m.seq_length:,} tokens per step"
+    return (f"{head}{samples} samples = {samples * m.seq_length:,} tokens per step in this replica job (global "
+            f"{d.global_batch_size} over {jobs} replica jobs)")
 
 
 def loco_settings(config: Config) -> str:
