@@ -190,7 +190,8 @@ def _write_outer_lr(out: pathlib.Path, finals: dict, swept: list[str], ddp: list
         if ref in group:
             lines += [f"## H={h}: each at its tuned LR, paired by seed against fp32 outer at its tuned LR", "",
                       *paired.gap_table(finals, group, ref, labels, baseline, "data-parallel every step"), ""]
-        for a, b in ((f"dl2-h{h}", f"dl2n-h{h}"), (f"dl2c-h{h}", f"dl2n-h{h}"), (f"dl2g-h{h}", f"dl2n-h{h}")):
+        for a, b in ((f"dl2-h{h}", f"dl2n-h{h}"), (f"dl2c-h{h}", f"dl2n-h{h}"), (f"dl2g-h{h}", f"dl2n-h{h}"),
+                     (f"dl2gc-h{h}", f"dl2g-h{h}")):
             if a in group and b in group:
                 lines.append(f"- {paired.pair_line(finals, a, b, labels)}")
         lines.append("")
@@ -217,6 +218,10 @@ def main() -> None:
     ap.add_argument("--outer-lrs", default=None,
                     help="DiLoCo variants: run each at every one of these outer LRs (comma-separated) and write "
                          "outer_lr.md: each variant at its tuned LR against fp32 outer, paired by seed")
+    ap.add_argument("--variant-lrs", default="",
+                    help="with --outer-lrs: another LR grid for some variants, 'VARIANT=LR,LR;VARIANT=LR,...' "
+                         "(a grid cut where the sweep seeds already show the trend, to fit a CPU budget; the "
+                         "table leaves the LRs a variant did not run empty)")
     ap.add_argument("--final-seeds", default="",
                     help="with --outer-lrs: after the sweep over --seeds, run these seeds too, at each DiLoCo "
                          "variant's tuned LR only (the tuned LR is chosen on --seeds alone)")
@@ -246,6 +251,16 @@ def main() -> None:
         sys.exit(f"error: --outer-lrs: '{args.outer_lrs}' is not a comma-separated list of numbers")
     if final_seeds and not lrs:
         sys.exit("error: --final-seeds needs --outer-lrs (they run at each variant's tuned outer LR)")
+    grids = {}
+    for item in filter(None, args.variant_lrs.split(";")):
+        v, _, grid = item.partition("=")
+        try:
+            grids[v] = [f"{float(x):g}" for x in grid.split(",") if x]
+        except ValueError:
+            grids[v] = []
+        if v not in variants or not v.startswith("dl") or not grids[v] or not lrs:
+            sys.exit(f"error: --variant-lrs: '{item}' is not VARIANT=LR,LR for a DiLoCo variant of --variants "
+                     f"(with --outer-lrs)")
     out = pathlib.Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -264,7 +279,7 @@ def main() -> None:
     finals: dict[tuple[str, str], dict[int, float]] = {}
     for seed in seeds:
         for v in variants:
-            for lr in (lrs if v in swept else [None]):
+            for lr in (grids.get(v, lrs) if v in swept else [None]):
                 r = one(v, seed, lr)
                 if lr:
                     finals.setdefault((v, lr), {})[seed] = r.evals[-1]["eval/lm_loss"]
