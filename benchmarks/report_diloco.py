@@ -169,7 +169,9 @@ def section(res: pathlib.Path) -> list[str]:
             "measured wire bytes per rank per step that left a node, against a bf16 ring all-reduce of",
             "the gradients between the replicas at every step (`2 (R - 1) / R x N x 2` bytes per rank,",
             "computed by the runs; the measure of the run summary); the step time is the mean (it",
-            "carries the outer steps, which a median would hide).", "",
+            "carries the outer steps, which a median would hide). The runs share a 2-core machine with",
+            "other work: the step-time ratios and the elastic timings carry that noise; the bytes and the",
+            "collective counts do not.", "",
             "```bash", *COMMANDS, "```", "",
             *body]
 
