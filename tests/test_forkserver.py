@@ -52,7 +52,7 @@ def test_a_launch_past_its_timeout_is_killed(cache_dir, tmp_path):
     cmd, env = torchrun_command(2, TINY + ["--train-iters", "100000", "--lr-decay-iters", "100000"], cache_dir,
                                 tmp_path / "m.jsonl")
     with pytest.raises(subprocess.TimeoutExpired) as err:
-        run_launch(cmd, env, 30)
+        run_launch(cmd, env, 15)  # past torchrun's start of its workers, which must go too
     def left() -> list:
         out = []
         for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
