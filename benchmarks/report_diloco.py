@@ -20,7 +20,7 @@ COMMANDS = [
     "python benchmarks/crossing.py --out results/crossing",
     "python benchmarks/quality.py --out results/quality_outer_lr_r2 --ranks 2 --iters 1024 --model small \\",
     "    --variants fp32,dl0-h32,dl4-h32,dl2g-h32,dl2gc-h32 --outer-lrs 0.4,0.55,0.7,0.85,1.0 \\",
-    "    --variant-lrs 'dl2g-h32=0.4,0.55,0.7;dl2gc-h32=0.4,0.55,0.7' --seeds 1234 --final-seeds 1235,1236",
+    "    --variant-lrs 'dl2g-h32=0.4,0.55,0.7;dl2gc-h32=0.4,0.55,0.7' --seeds 1234 --final-seeds 1235,1236,1237 --reuse",
     "python benchmarks/elastic.py --out results/elastic",
     "python benchmarks/report.py --results results --sections diloco",
 ]
