@@ -19,8 +19,9 @@ COMMANDS = [
     "    --links 100mbit --variants dl0,dl4,dlnone",
     "python benchmarks/crossing.py --out results/crossing",
     "python benchmarks/quality.py --out results/quality_outer_lr_r2 --ranks 2 --iters 1024 --model small \\",
-    "    --variants fp32,dl0-h32,dl4-h32,dl2g-h32,dl2gc-h32 --outer-lrs 0.4,0.55,0.7,0.85,1.0 \\",
-    "    --variant-lrs 'dl2g-h32=0.4,0.55,0.7;dl2gc-h32=0.4,0.55,0.7' --seeds 1234 --final-seeds 1235,1236,1237 --reuse",
+    "    --variants fp32,dl0-h32,dl4-h32,dl2g-h32,dl2gc-h32,dl0-h16,dl4-h16,dl2gc-h16 \\",
+    "    --outer-lrs 0.4,0.55,0.7,0.85,1.0 --seeds 1234 --final-seeds 1235,1236,1237 --reuse \\",
+    "    --variant-lrs 'dl2g-h32=0.4,0.55,0.7;dl2gc-h32=0.4,0.55,0.7;dl0-h16=0.4,0.55,0.7;dl4-h16=0.4,0.55,0.7;dl2gc-h16=0.4,0.55,0.7'",
     "python benchmarks/elastic.py --out results/elastic",
     "python benchmarks/report.py --results results --sections diloco",
 ]
