@@ -43,6 +43,10 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+from check_install import find_program  # noqa: E402  (tools/)
+
 LIGHTHOUSE = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
               "--heartbeat_timeout_ms", "5000"]
 """The lighthouse of docs/diloco.md's "Survive a site"."""
@@ -78,7 +82,7 @@ class Jobs:
         folder.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, cmd: list[str]) -> float:
-        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", RUST_LOG="error")
+        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
         log = open(self.folder / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -135,7 +139,7 @@ def elastic(out: pathlib.Path, replicas: int, h: int, iters: int, timeout: float
     port = _free_port()
     address = f"http://localhost:{port}"
     try:
-        jobs.start("lighthouse", ["torchft_lighthouse", "--bind", f"[::]:{port}", *LIGHTHOUSE])
+        jobs.start("lighthouse", [find_program("torchft_lighthouse"), "--bind", f"[::]:{port}", *LIGHTHOUSE])
 
         def args(r: int, *more: str) -> list[str]:
             return [*_model(replicas), "--train-iters", str(iters), "--diloco-replicas", str(replicas),

@@ -22,7 +22,8 @@ compares DiLoCo's outer exchanges against ``fp32`` (every step, the DDP referenc
 outer gradients in the form ``F`` (:data:`OUTER_FORMS`): none = error feedback with beta
 0.8 (int8 errors), ``c`` classic error feedback (beta 0), ``n`` none, ``g`` gain-corrected
 scales without error feedback, ``gc`` gain-corrected with classic error feedback; for
-H = 16 and 32 (outer Nesterov momentum 0.9, lr 0.7 unless swept). ``--outer-lrs`` runs
+H = 16, 32 and 64 (outer Nesterov momentum 0.9, lr 0.7 unless swept; the ``diloco`` section
+runs H = 16 and 32; ``outer_lr.py`` sweeps the outer LR across H and the replica count). ``--outer-lrs`` runs
 every DiLoCo variant at each of several outer LRs and writes ``outer_lr.md``: the sweep,
 and each variant at its own tuned LR against fp32 outer at its tuned LR, as paired
 differences by seed (:mod:`paired`); ``--final-seeds`` adds seeds at the tuned LRs only.
@@ -118,7 +119,7 @@ OUTER_FORMS = {
     "gc": ("gain-corrected, classic error feedback", ["--diloco-outer-beta", "0", "--diloco-outer-gain-correction"]),
 }
 """DiLoCo's compressed outer exchange: variant suffix -> (label, flags)."""
-for _h in (16, 32):
+for _h in (16, 32, 64):
     # --diloco-replicas {ranks}: one replica per rank, filled in per run (see main()).
     _base = ["--loco-bits", "0", "--diloco-replicas", "{ranks}", "--diloco-inner-steps", str(_h)]
     VARIANTS[f"dl0-h{_h}"] = (f"DiLoCo H={_h}, fp32 outer", [*_base, "--diloco-outer-bits", "0"])
@@ -128,7 +129,7 @@ for _h in (16, 32):
                                                    [*_base, "--diloco-outer-bits", str(_bits), *_flags])
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)],
-            "diloco": ["fp32", *(v for v in VARIANTS if v.startswith("dl"))]}
+            "diloco": ["fp32", *(v for v in VARIANTS if v.startswith("dl") and not v.endswith("-h64"))]}
 """Names ``--variants`` expands (each a list of variants)."""
 MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2", "fsdp", "fsdp4") and "-" not in v]
 SMALL_MODEL = ["--micro-batch-size", "2", "--global-batch-size", "8"]

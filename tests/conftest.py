@@ -73,6 +73,17 @@ def cpu_kernels_built(pytestconfig):
     return built
 
 
+def program(name: str) -> str:
+    """The path of the program ``name`` that the project's environment installs: next to this
+    interpreter (the virtual environment's bin folder, active or not), else on PATH."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from check_install import find_program
+
+    found = find_program(name)
+    assert found, f"{name} is neither next to {sys.executable} nor on PATH (a requirements file installs it)"
+    return found
+
+
 def read_metrics(path) -> list[dict]:
     p = pathlib.Path(path)
     if not p.exists():

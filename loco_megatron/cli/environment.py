@@ -56,6 +56,10 @@ class LaunchEnv:
     worker group (--max-restarts); 0 for the first start."""
     agents: int = 1
     """GROUP_WORLD_SIZE: the torchrun agents (nodes) of the job."""
+    torchft_log: str = "error"
+    """The log filter of torchft's Rust side (elastic DiLoCo): the user's RUST_LOG, else
+    ``error`` (torchft would print several INFO lines per outer step; membership changes,
+    heals and refusals are lines of this project's own)."""
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -92,6 +96,7 @@ class LaunchEnv:
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart_count=as_int("TORCHELASTIC_RESTART_COUNT", 0),
             agents=as_int("GROUP_WORLD_SIZE", 1),
+            torchft_log=environ.get("RUST_LOG") or "error",
         )
 
 

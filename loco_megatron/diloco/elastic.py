@@ -224,18 +224,19 @@ class ElasticCoordinator:
     address other replicas reach it by); ``device``: where the group's collectives run;
     ``heal_state()``: what a live replica sends one that heals (tensors served by reference
     until the cycle commits, so they must not change before :meth:`commit`); ``log``: one
-    line (rank 0 of the job prints)."""
+    line (rank 0 of the job prints); ``torchft_log``: the log filter of torchft's Rust side
+    (RUST_LOG syntax, :attr:`loco_megatron.cli.LaunchEnv.torchft_log`)."""
 
     def __init__(self, lighthouse: str, replica: int, expected: int, min_replicas: int, rank: int, world_size: int,
                  store: tuple[str, int], device: torch.device, quorum_timeout_s: float, exchange_timeout_s: float,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], torchft_log: str = "error"):
         self.lighthouse, self.replica, self.min_replicas = lighthouse, replica, min_replicas
         self.expected = expected
         """--diloco-replicas: the replicas the run expects (the channels' first layout)."""
         self.rank, self.world_size, self.store, self.device = rank, world_size, store, device
         self.quorum_timeout = datetime.timedelta(seconds=quorum_timeout_s)
         self.exchange_timeout = datetime.timedelta(seconds=exchange_timeout_s)
-        self.log = log
+        self.log, self.torchft_log = log, torchft_log
         self.manager = self.pg = None
         self.ops = torchft_ops(self)
         """The collectives of the outer exchange, on the torchft group of the open cycle."""
@@ -257,7 +258,13 @@ class ElasticCoordinator:
         first quorum, when this replica is ready to ask (a healthy replica that is not asking
         holds the others' quorum back)."""
         import logging
+        import os
+        import sys
 
+        # torchft's Rust side reads RUST_LOG once, when its extension is first imported: set
+        # before that import, or every quorum prints its INFO lines on every rank.
+        if "torchft._torchft" not in sys.modules:
+            os.environ["RUST_LOG"] = self.torchft_log
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 

@@ -185,7 +185,7 @@ def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, 
                           "store: MASTER_ADDR and MASTER_PORT)")
     return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas, d.diloco_min_replicas,
                               layout.rank, layout.world_size, env.store_at, device, d.diloco_quorum_timeout_s,
-                              d.diloco_exchange_timeout_s, say_fn(layout.is_logging_rank))
+                              d.diloco_exchange_timeout_s, say_fn(layout.is_logging_rank), env.torchft_log)
 
 
 def bind_heal(run: Run) -> None:
