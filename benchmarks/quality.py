@@ -111,14 +111,16 @@ for _letters in sorted(set(TWO_BIT_OPTIONS) | set(TWO_BIT_NOEF_OPTIONS), key=lam
     VARIANTS[f"loco2-{_letters}"] = (f"LoCo 2-bit{_suffix}", ["--loco-bits", "2", *_flags])
     VARIANTS[f"noef2-{_letters}"] = (f"2-bit, no error feedback{_suffix}",
                                      ["--loco-bits", "2", "--no-loco-error-feedback", *_flags])
+_NO_GAIN = "--no-diloco-outer-gain-correction"
 OUTER_FORMS = {
-    "": ("error feedback beta 0.8", []),
-    "c": ("classic error feedback (beta 0)", ["--diloco-outer-beta", "0"]),
-    "n": ("no error feedback", ["--no-diloco-outer-error-feedback"]),
+    "": ("error feedback beta 0.8", ["--diloco-outer-beta", "0.8", _NO_GAIN]),
+    "c": ("classic error feedback (beta 0)", ["--diloco-outer-beta", "0", _NO_GAIN]),
+    "n": ("no error feedback", ["--no-diloco-outer-error-feedback", _NO_GAIN]),
     "g": ("gain-corrected, no error feedback", ["--no-diloco-outer-error-feedback", "--diloco-outer-gain-correction"]),
     "gc": ("gain-corrected, classic error feedback", ["--diloco-outer-beta", "0", "--diloco-outer-gain-correction"]),
 }
-"""DiLoCo's compressed outer exchange: variant suffix -> (label, flags)."""
+"""DiLoCo's compressed outer exchange: variant suffix -> (label, flags). Every form is given
+explicitly, so a variant does not depend on the width's default form (at 2 bits ``gc``)."""
 for _h in (16, 32, 64):
     # --diloco-replicas {ranks}: one replica per rank, filled in per run (see main()).
     _base = ["--loco-bits", "0", "--diloco-replicas", "{ranks}", "--diloco-inner-steps", str(_h)]

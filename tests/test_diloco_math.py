@@ -114,6 +114,24 @@ def test_bad_diloco_values_name_the_flag(flags, message):
         DiLoCoConfig(diloco_replicas=2, **flags)
 
 
+def test_outer_form_defaults_follow_the_width():
+    """Guards against --diloco-outer-bits 2 running another form than the one measured best
+    at 2 bits (gain-corrected scales, classic error feedback), against 4 and 8 bits losing
+    theirs (the moving average, beta 0.8, plain scales), and against explicit flags being
+    overridden by the width's default."""
+    from loco_megatron.cli import parse_config
+
+    def form(*flags: str) -> tuple:
+        d = parse_config(["--diloco-replicas", "2", *flags]).diloco
+        return d.diloco_outer_beta, d.diloco_outer_gain_correction
+
+    assert form() == form("--diloco-outer-bits", "8") == (0.8, False)
+    assert form("--diloco-outer-bits", "2") == (0.0, True)
+    assert form("--diloco-outer-bits", "2", "--diloco-outer-beta", "0.8", "--no-diloco-outer-gain-correction") == \
+        (0.8, False)
+    assert form("--diloco-outer-bits", "4", "--diloco-outer-gain-correction") == (0.8, True)
+
+
 def test_more_fragments_than_layers_is_one_line():
     """Guards against --diloco-fragments above the layer count being accepted (fragments
     of no layer at all, whose sync steps send nothing but the embedding or nothing)."""

@@ -33,13 +33,16 @@ class DiLoCoConfig:
     diloco_outer_error_feedback: bool = True
     """Compensate each outer gradient with the moving average of its past compression
     errors (int8 storage, --diloco-outer-beta). --no-diloco-outer-error-feedback is the ablation."""
-    diloco_outer_beta: float = 0.8
+    diloco_outer_beta: Optional[float] = None
     """Moving-average factor of the outer compression error (LoCo's beta; 0 is classic
-    error feedback: the whole remainder is sent with the next outer gradient)."""
-    diloco_outer_gain_correction: bool = False
+    error feedback: the whole remainder is sent with the next outer gradient). Default:
+    0 at --diloco-outer-bits 2, else 0.8 (the forms measured best at each width,
+    docs/diloco.md)."""
+    diloco_outer_gain_correction: Optional[bool] = None
     """Refit each block's scale of the compressed outer exchange (both phases) so the
     decoded outer gradient is not shrunk towards zero: ``<decoded, sent> = |sent|^2`` per
-    block. Costs no bytes; runs on LoCo's torch kernels."""
+    block. Costs no bytes; runs on LoCo's torch kernels. Default: on at --diloco-outer-bits
+    2, else off."""
     diloco_fragments: int = 1
     """F: Streaming DiLoCo. The transformer layers are split into F fragments of
     consecutive layers (the embedding with the first, the output layer and final norm with
@@ -99,6 +102,12 @@ class DiLoCoConfig:
                 "exchange was in flight; with no delay the replicas must take the agreed parameters, alpha 0)")
         if self.diloco_mixing_factor is None:
             self.diloco_mixing_factor = 0.5 if self.diloco_sync_delay > 0 else 0.0
+        # 2 bits: gain-corrected scales with classic error feedback measured best (the
+        # moving average's damping costs more at 2 bits than the shrinkage it smooths).
+        if self.diloco_outer_beta is None:
+            self.diloco_outer_beta = 0.0 if self.diloco_outer_bits == 2 else 0.8
+        if self.diloco_outer_gain_correction is None:
+            self.diloco_outer_gain_correction = self.diloco_outer_bits == 2
         require(self.diloco_replicas >= 0, "diloco_replicas", f"{self.diloco_replicas} is not >= 0")
         require(self.diloco_inner_steps >= 1, "diloco_inner_steps", f"{self.diloco_inner_steps} is not >= 1")
         require(self.diloco_outer_lr > 0.0, "diloco_outer_lr", f"{self.diloco_outer_lr} is not > 0")
