@@ -4,8 +4,9 @@ Each rank appends one JSON line per outer cycle to ``$LOCO_TEST_DUMP_DIR/replica
 (after the join, after every sync point's cycle, after the run's final step):
 ``{"at", "iteration", "outer_steps", "agreed", "momentum", "steps", "live"}`` with
 ``agreed``/``momentum`` SHA-256 digests of this rank's shards (rank k holds the same shards
-in every replica) and ``steps`` the ``[consumed samples, data rank, data ranks]`` each
-training step since the last line started from (the sample stream it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
+in every replica) and ``steps`` the ``[consumed samples, share offset, share samples, data
+rank, data ranks]`` each training step since the last line started from (the sample stream
+it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
 rank SIGKILLs itself right after launching its first outer exchange at iteration ``T``
 (mid-exchange: its peers are waiting on it). ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
 ``LOCO_TEST_RELEASE=PATH``: after step ``Ti`` the rank waits until ``PATH.Ti`` exists (a
@@ -94,12 +95,13 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
 
 
 STEPS: list = []
-"""``[consumed samples, data rank, data ranks]`` of each step since the last dump."""
+"""``[consumed samples, share offset, share samples, data rank, data ranks]`` of each step
+since the last dump."""
 
 
 def _recording_step(step):
     def recorded(self):
-        STEPS.append([self.consumed_samples, self.dp_rank, self.dp_size])
+        STEPS.append([self.consumed_samples, self.offset, self.samples, self.dp_rank, self.dp_size])
         return step(self)
     return recorded
 

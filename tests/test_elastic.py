@@ -204,7 +204,8 @@ def test_a_restarted_replica_heals_and_then_agrees_bit_for_bit(kill_and_rejoin):
     torchft's transport; its inner optimizer from its own checkpoint; one line each), the
     others see it join, from then on its agreed parameters and momentum equal theirs bit
     for bit after every outer step, and every step it trains reads replica 2's own samples
-    of that iteration (data rank 2 of 3, position iteration x global batch)."""
+    of that iteration (samples 8 ... 11 of the global batch of 12, position iteration x
+    global batch)."""
     run = kill_and_rejoin["run"]
     log = run.log("r2b")
     assert kill_and_rejoin["codes"]["r2b"] == 0, log[-3000:]
@@ -222,9 +223,73 @@ def test_a_restarted_replica_heals_and_then_agrees_bit_for_bit(kill_and_rejoin):
     steps = [s for d in restarted for s in d["steps"]]
     gbs = 12
     assert steps and steps[0][0] == rejoin["iteration"] * gbs, steps[:2]
-    assert all(s[1:] == [2, 3] for s in steps) and all(b[0] - a[0] == gbs for a, b in zip(steps, steps[1:]))
+    assert all(s[1:] == [8, 4, 0, 1] for s in steps) and all(b[0] - a[0] == gbs for a, b in zip(steps, steps[1:]))
     tokens = next(m for m in run.metrics("r2b") if "summary/tokens" in m)["summary/tokens"]
     assert tokens == len(steps) * gbs // 3 * 64, tokens  # this replica's share of each step it trained
+
+
+def _trained(dumps: list[dict], gbs: int) -> dict[int, list[tuple[int, int]]]:
+    """iteration (1-based) -> the sample ranges [first, end) of its global batch a job trained."""
+    out: dict[int, list] = {}
+    for d in dumps:
+        for consumed, offset, samples, _, _ in d["steps"]:
+            out.setdefault(consumed // gbs + 1, []).append((offset, offset + samples))
+    return out
+
+
+def test_unequal_shares_cover_each_batch_once_through_a_death_and_a_rejoin(cache_dir, tmp_path):
+    """Guards against replicas of unequal shares (--diloco-batch-split weight, weights 2 and
+    1) that train a sample twice or skip one, that keep a dead replica's share unassigned,
+    that disagree on the split (their ranks would read different samples) or on the agreed
+    parameters: the shares are 8 and 4 of each global batch of 12, disjoint and covering it;
+    when replica 1 dies the survivor takes the whole batch from its next outer step; when
+    replica 1 restarts from its checkpoint it heals, the split is 8 and 4 again from the
+    outer step it joins at, and its agreed parameters equal the survivor's bit for bit
+    after every outer step. Each replica reports its batch share, its time at outer steps
+    and its inner steps."""
+    gbs = 12
+    run = Run(tmp_path, cache_dir, replicas=2, iters=24,
+              extra=["--global-batch-size", str(gbs), "--diloco-batch-split", "weight"])
+    try:
+        run.start("r0", 0, "--diloco-replica-weight", "2", env=run.hold(15))
+        run.start("r1", 1, "--save", str(tmp_path / "ck1"), "--save-interval", "4")
+        run.wait_iteration("r1", 6)
+        run.kill("r1")
+        run.wait_iteration("r0", 14)
+        run.start_then_release("r1b", 1, 15, "--load", str(tmp_path / "ck1"))
+        codes = {name: run.finish(name) for name in ("r0", "r1b")}
+        assert codes == {"r0": 0, "r1b": 0}, (run.log("r0")[-3000:], run.log("r1b")[-3000:])
+    finally:
+        run.close()
+    log0 = run.log("r0")
+    splits = [ln.split("DiLoCo: ", 1)[1] for ln in log0.splitlines() if "DiLoCo: batch split" in ln]
+    assert splits[0] == "batch split from iteration 0: replica 0 8, replica 1 4 samples per step (weights 2, 1)", splits
+    assert any(ln.endswith("replica 0 12 samples per step (weights 2)") for ln in splits), splits
+    assert splits[-1].endswith("replica 0 8, replica 1 4 samples per step (weights 2, 1)"), splits
+    ones = run.dumps(1)
+    rejoin = [d for d in ones if d["at"] == "join"][-1]
+    mine, theirs = _committed(ones), _committed(run.dumps(0))
+    after = sorted(it for it in set(mine) & set(theirs) if it >= rejoin["iteration"])
+    assert after and after[-1] >= run.iters - H, after
+    assert all(mine[it]["agreed"] == theirs[it]["agreed"] and mine[it]["momentum"] == theirs[it]["momentum"]
+               for it in after)
+    zero, one = _trained(run.dumps(0), gbs), _trained(ones, gbs)
+    assert sorted(zero) == list(range(1, run.iters + 1)), sorted(zero)
+    for it in range(1, run.iters + 1):
+        ranges = sorted(zero.get(it, []) + one.get(it, []))
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), (it, ranges)  # never a sample twice
+        if it > rejoin["iteration"] or it <= 4:  # both live: the shares cover the batch
+            assert ranges == [(0, 8), (8, 12)], (it, ranges)
+    alone = [it for it in zero if zero[it] == [(0, 12)]]
+    assert alone and max(alone) <= rejoin["iteration"] and min(alone) > 6, alone  # after the death, before the rejoin
+    shares = {m["diloco/share_samples"] for m in run.metrics("r0") if "diloco/share_samples" in m}
+    assert {8.0, 12.0} <= shares, shares
+    assert all(m["diloco/outer_wait_s"] >= 0 and 0 <= m["diloco/outer_wait_share"] <= 1
+               for m in run.metrics("r0") if "diloco/outer_wait_s" in m)
+    summary = next(m for m in run.metrics("r1b") if "summary/diloco_inner_steps" in m)
+    assert summary["summary/diloco_inner_steps"] == run.iters - rejoin["iteration"], summary
+    assert summary["summary/tokens"] == sum(b - a for it in one if it > rejoin["iteration"] for a, b in one[it]) * 64
+    assert "inner steps" in run.log("r1b") and "s at outer steps" in run.log("r1b")
 
 
 def test_a_replica_dying_inside_an_exchange_is_discarded_everywhere(cache_dir, tmp_path):

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from loco_megatron.config.base import check_choices, choice, require
+from loco_megatron.diloco.batch_split import MODES as BATCH_SPLITS
 
 
 @dataclasses.dataclass
@@ -77,6 +78,17 @@ class DiLoCoConfig:
     """Elastic DiLoCo: the timeout of each collective between replicas, of the heal
     transfer and of the commit: what a replica dying inside an exchange costs the others
     at most before they discard that exchange and go on."""
+    diloco_batch_split: str = choice("fixed", BATCH_SPLITS)
+    """Elastic DiLoCo: how the live replicas share each step's global batch. fixed: replica
+    r of R trains G/R samples (lockstep: the slowest replica sets the pace); weight: in
+    proportion to --diloco-replica-weight; throughput: in proportion to the samples per
+    second each replica measured over the last outer interval (re-split when that cuts the
+    idle time). Every replica takes the same H inner steps and the outer mean is weighted by
+    the samples each trained (docs/diloco.md, "Unequal sites")."""
+    diloco_replica_weight: float = 1.0
+    """Elastic DiLoCo: this replica's share of the global batch relative to the others'
+    (for example its GPU count) under --diloco-batch-split weight, and its first share
+    under throughput (before a speed is measured)."""
 
     def __post_init__(self):
         check_choices(self)
@@ -93,8 +105,14 @@ class DiLoCoConfig:
                     f"{self.diloco_min_replicas} is not in 1 ... --diloco-replicas ({self.diloco_replicas})")
             require(self.diloco_quorum_timeout_s > 0 and self.diloco_exchange_timeout_s > 0,
                     "diloco_quorum_timeout_s", "the timeouts must be > 0")
+            require(self.diloco_replica_weight > 0, "diloco_replica_weight",
+                    f"{self.diloco_replica_weight} is not > 0")
+            require(self.diloco_replica_weight == 1.0 or self.diloco_batch_split != "fixed", "diloco_replica_weight",
+                    "needs --diloco-batch-split weight or throughput (fixed gives every replica G/R samples)")
         else:
             require(self.diloco_replica_id is None, "diloco_replica_id", "needs --diloco-lighthouse (elastic DiLoCo)")
+            require(self.diloco_batch_split == "fixed", "diloco_batch_split",
+                    f"{self.diloco_batch_split} needs --diloco-lighthouse (the replicas of one job are equal)")
         # With tau 0 the replicas take the agreed parameters at once: mixing their own back
         # in would keep them apart for good (they never agree again).
         require(not self.diloco_mixing_factor or self.diloco_sync_delay > 0, "diloco_mixing_factor",

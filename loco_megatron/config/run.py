@@ -163,12 +163,21 @@ class Config:
         d = self.data
         # Elastic DiLoCo: the global batch is all replicas' (each job trains its share, as
         # its replica of a one-world run would).
-        batch_dp = dp * (self.diloco.diloco_replicas if self.diloco.elastic else 1)
+        split = self.diloco.elastic and self.diloco.diloco_batch_split != "fixed"
+        batch_dp = dp * (self.diloco.diloco_replicas if self.diloco.elastic and not split else 1)
         require(d.global_batch_size % (d.micro_batch_size * batch_dp) == 0, "global_batch_size",
                  f"{d.global_batch_size} is not divisible by --micro-batch-size x data-parallel size "
                  f"= {d.micro_batch_size} x {batch_dp}"
                  + (f" ({dp} in this job x {self.diloco.diloco_replicas} elastic replicas)" if batch_dp != dp else ""))
-        if p.virtual_pipeline_model_parallel_size is not None:
+        if split:  # the shares are whole granules (see :func:`batch_granule`), one at least per replica
+            granule = batch_granule(d.micro_batch_size, dp, p.pipeline_model_parallel_size,
+                                    p.virtual_pipeline_model_parallel_size)
+            require(d.global_batch_size % granule == 0 and d.global_batch_size // granule >= self.diloco.diloco_replicas,
+                    "global_batch_size", f"{d.global_batch_size} is not a multiple of {granule} samples (a replica's "
+                    f"smallest share: micro batch x data-parallel size"
+                    + (" x pipeline stages" if granule != d.micro_batch_size * dp else "")
+                    + f") with one share at least for each of the {self.diloco.diloco_replicas} replicas")
+        elif p.virtual_pipeline_model_parallel_size is not None:
             micro = d.global_batch_size // (d.micro_batch_size * batch_dp)
             # megatron's interleaved schedule runs micro batches in groups of PP per chunk.
             require(micro % p.pipeline_model_parallel_size == 0, "global_batch_size",
@@ -198,3 +207,10 @@ class Config:
             if dataclasses.is_dataclass(getattr(self, f.name)):
                 out.update(dataclasses.asdict(getattr(self, f.name)))
         return out
+
+
+def batch_granule(micro_batch_size: int, dp: int, pp: int, vpp) -> int:
+    """The smallest share of a global batch a replica's step can take (--diloco-batch-split):
+    one micro batch per data-parallel rank, times the pipeline stages under the interleaved
+    schedule (which runs micro batches in groups of PP)."""
+    return micro_batch_size * dp * (pp if vpp is not None else 1)

@@ -95,22 +95,35 @@ def _check_split_nonempty(split: str, prefix: str) -> None:
 class MicroBatchIterator:
     """Yields this data-parallel rank's micro batches, step after step, resumably.
 
-    Global sample ``c + r*G/DP + k*mbs + i`` (``c`` = samples consumed before the
-    step, ``G`` global batch, ``r`` the DP rank, ``k`` the micro batch, ``i`` its row)
-    is row ``i`` of micro batch ``k`` on rank ``r``. ``consumed_samples`` is the whole
-    state: saving it and restoring it resumes the exact sample sequence.
+    Step ``t`` owns global samples ``c ... c + G - 1`` (``c = t*G`` samples consumed before
+    it, ``G`` the global batch). This replica trains its share of them, samples
+    ``o ... o + S - 1`` of the step (``share = (o, S)``; the whole batch without DiLoCo's
+    batch split): global sample ``c + o + r*S/DP + k*mbs + i`` (``r`` the DP rank, ``k``
+    the micro batch, ``i`` its row) is row ``i`` of micro batch ``k`` on rank ``r``.
+    ``consumed_samples`` is the whole saved state: the share is agreed anew by the replicas
+    at start-up (:mod:`loco_megatron.diloco.batch_split`), and restoring the position
+    resumes the exact sample sequence.
     """
 
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, consumed_samples: int = 0):
+                 dp_size: int, consumed_samples: int = 0, share: Optional[tuple[int, int]] = None):
         self.dataset, self.gbs, self.mbs = dataset, global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
-        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.set_share(*(share or (0, global_batch_size)))
+
+    def set_share(self, offset: int, samples: int) -> None:
+        """From the next step on, train samples ``offset ... offset + samples - 1`` of each
+        step's global batch (``samples``: a multiple of micro batch x DP)."""
+        if samples % (self.mbs * self.dp_size) or not 0 <= offset <= self.gbs - samples or samples <= 0:
+            raise ValueError(f"share ({offset}, {samples}) of a global batch of {self.gbs} is not whole micro "
+                             f"batches of {self.mbs} on {self.dp_size} data-parallel rank(s)")
+        self.offset, self.samples = offset, samples
+        self.num_microbatches = samples // (self.mbs * self.dp_size)
 
     def step(self) -> Iterator[dict]:
         """An iterator over this step's micro batches; advances the position by one global batch."""
-        start = self.consumed_samples + self.dp_rank * (self.gbs // self.dp_size)
+        start = self.consumed_samples + self.offset + self.dp_rank * (self.samples // self.dp_size)
         self.consumed_samples += self.gbs
         return self._micro_batches(start)
 

@@ -19,7 +19,9 @@ One *cycle* per outer step, in program order on every live rank
    missed an outer update in outer steps.
 2. one fixed-size all-gather of every participant's :class:`Fingerprint` (its replica id,
    a hash of everything that must match: model shape, layout, outer settings, channel
-   sizes; its iteration; whether it joins or comes from a sync point; whether it healed):
+   sizes; its iteration; whether it joins or comes from a sync point; whether it healed;
+   its share of the batch, measured speed and weight, from which every participant
+   computes the same batch split, :mod:`.batch_split`):
    every rank of the cycle then knows the same participants, who contributes an outer
    gradient (a replica that just healed sends zeros and is left out of the mean), whether
    this cycle exchanges (some participant comes from a sync point) and at which
@@ -44,6 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from loco_megatron.config import ConfigError
+from loco_megatron.diloco.batch_split import Member
 from loco_megatron.loco.collectives import CollectiveOps
 
 ITERATION_SHIFT = 20
@@ -86,18 +89,29 @@ class Fingerprint:
     cycles: int = 0
     """Cycles this job opened before this one: of two jobs with one replica id, both at
     the start of a run, the one that was there first stays."""
+    samples: int = 0
+    """Its share of each step's global batch over the interval that ends here (0: none
+    agreed yet; :mod:`.batch_split`)."""
+    speed: int = 0
+    """Samples per second it trained over that interval, x 1000 (0: not measured)."""
+    weight: int = 1000
+    """--diloco-replica-weight x 1000."""
 
-    WIDTH = 6
+    WIDTH = 9
     """int64 entries of :meth:`tensor`."""
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([self.replica, self.config, self.iteration, int(self.joining), int(self.healed),
-                             self.cycles], dtype=torch.int64)
+                             self.cycles, self.samples, self.speed, self.weight], dtype=torch.int64)
 
     @classmethod
     def of(cls, row: torch.Tensor) -> "Fingerprint":
-        r, c, it, j, h, n = (int(v) for v in row.tolist())
-        return cls(r, c, it, bool(j), bool(h), n)
+        r, c, it, j, h, n, s, v, w = (int(x) for x in row.tolist())
+        return cls(r, c, it, bool(j), bool(h), n, s, v, w)
+
+    def member(self) -> Member:
+        """What the batch split needs of this participant."""
+        return Member(self.replica, self.samples, self.speed / 1000, self.weight / 1000)
 
 
 @dataclasses.dataclass

@@ -15,12 +15,15 @@ next sync point and heals it there.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
 import torch
 
 from loco_megatron.config import ConfigError, brief
+from loco_megatron.diloco import batch_split
+from loco_megatron.diloco.batch_split import Share
 from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer import OuterStep
@@ -32,16 +35,30 @@ class ElasticOuterStep(OuterStep):
     """``coordinator``: this rank's :class:`~.elastic.ElasticCoordinator`; ``replica``: its
     replica id; ``config_hash``: what every replica must share (:func:`.elastic.config_hash`);
     ``relay(key)``: a new channel for ``key`` laid over the current quorum (its error
-    buffers at zero); the other arguments are :class:`OuterStep`'s. The trainer binds
-    (:meth:`bind_progress`) what a heal sends and takes besides the outer state."""
+    buffers at zero); ``split``: how the replicas share the global batch; the other
+    arguments are :class:`OuterStep`'s. The trainer binds (:meth:`bind_progress`) what a
+    heal sends and takes besides the outer state, and where this replica's batch share goes."""
 
     def __init__(self, *args, coordinator: ElasticCoordinator, replica: int, config_hash: int,
-                 relay: Callable[[str], object], **kwargs):
+                 relay: Callable[[str], object], split: "SplitSettings", **kwargs):
         super().__init__(*args, **kwargs)
         self.coordinator, self.replica, self.config_hash = coordinator, replica, config_hash
         self._relay = relay
         self._progress: Callable[[], dict] = dict
         self._take_progress: Callable[[dict], None] = lambda state: None
+        self._set_share: Callable[[int, int], None] = lambda offset, samples: None
+        self.split = split
+        self.share: Optional[Share] = split.initial
+        """This replica's share of each step's global batch (None: not agreed yet)."""
+        self.speed = 0.0
+        """Samples per second over the last outer interval (0: not measured yet)."""
+        self._train_s, self._interval_steps = 0.0, 0
+        self.inner_steps = 0
+        """Inner steps this job trained."""
+        self._waited_s = 0.0
+        self.waited_total_s = 0.0
+        """Seconds this job spent at outer steps after its first (quorum, exchange, commit:
+        in lockstep with a slower replica, mostly waiting for it)."""
         self.world = coordinator.expected
         """Replicas the channels are laid for (first: the replicas expected)."""
         self._laid = False
@@ -51,11 +68,61 @@ class ElasticOuterStep(OuterStep):
         discarded cycle puts them back)."""
         coordinator.heal_state = self.heal_state
 
-    def bind_progress(self, progress: Callable[[], dict], take_progress: Callable[[dict], None]) -> None:
+    def bind_progress(self, progress: Callable[[], dict], take_progress: Callable[[dict], None],
+                      set_share: Callable[[int, int], None]) -> None:
         """``progress()``: this replica's iteration and LR schedule position (a dict with
         ``iteration``); ``take_progress(state)`` sets them (and the data position) from a
-        live replica's :meth:`heal_state`."""
-        self._progress, self._take_progress = progress, take_progress
+        live replica's :meth:`heal_state`; ``set_share(offset, samples)``: the samples of
+        each step's global batch this replica trains from the next step on."""
+        self._progress, self._take_progress, self._set_share = progress, take_progress, set_share
+
+    # -- what the replica trains and waits -----------------------------------------------------
+    def count_step(self, seconds: float) -> None:
+        """One inner step done, ``seconds`` of training (the speed the batch split measures)."""
+        self._train_s += seconds
+        self._interval_steps += 1
+        self.inner_steps += 1
+
+    def take_wait(self) -> float:
+        """Seconds spent at outer steps since the last call (the log window's)."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
+
+    def _fingerprint(self, t: int, joining: bool) -> Fingerprint:
+        """This replica's fingerprint; ends the speed measurement of the interval. Under
+        ``throughput`` a collective over this job's ranks (every rank of a replica must put
+        the same speed in, or its ranks would split the batch differently): the slowest
+        rank's seconds count."""
+        if self.split.mode == "throughput":
+            seconds = self.split.slowest(self._train_s)
+            if self._interval_steps and seconds > 0 and self.share is not None:
+                self.speed = self._interval_steps * self.share.samples / seconds
+        self._train_s, self._interval_steps = 0.0, 0
+        return Fingerprint(self.replica, self.config_hash, t, joining,
+                           samples=self.share.samples if self.share is not None else 0,
+                           speed=round(self.speed * 1000), weight=round(self.split.weight * 1000))
+
+    def _reweigh(self, cycle: Cycle) -> None:
+        """The factor of this replica's outer gradient in this cycle (the mean over the
+        contributors weighted by the samples each trained since the last outer step), then
+        the batch split from the cycle's iteration on."""
+        contributors = {p.replica: p.samples for p in cycle.participants if not p.healed}
+        self.outer_scale = batch_split.mean_factors(contributors).get(self.replica, 1.0)
+        members = [p.member() for p in cycle.participants]
+        shares = batch_split.next_split(self.split.mode, members, self.split.global_batch, self.split.granule)
+        if shares is None:
+            return
+        self.share = shares[self.replica]
+        self._set_share(self.share.offset, self.share.samples)
+        gathering = not cycle.exchanging and cycle.iteration == 0 and cycle.world < self.coordinator.expected
+        if gathering:  # (the start of a run: more replicas are expected before the first step)
+            return
+        members.sort(key=lambda m: m.replica)
+        if self.split.mode == "throughput" and all(m.speed > 0 for m in members):
+            why = "measured " + ", ".join(f"{m.speed:.1f}" for m in members) + " samples/s"
+        else:
+            why = "weights " + ", ".join(f"{m.weight:g}" for m in members)
+        self._log(f"DiLoCo: batch split from iteration {cycle.iteration}: {batch_split.describe(shares, why)}")
 
     # -- what a live replica sends one that heals ---------------------------------------------
     def heal_state(self) -> dict:
@@ -116,7 +183,9 @@ class ElasticOuterStep(OuterStep):
         while True:
             cycle = self._cycle(t, joining=True)
             if cycle is None:  # discarded (a participant was refused): ask again until the deadline
-                if t == 0 and time.monotonic() < deadline:
+                # (also while this replica has no batch share yet: it would train on samples
+                # another replica's share may hold)
+                if (t == 0 or self.share is None) and time.monotonic() < deadline:
                     time.sleep(1.0)
                     continue
                 return
@@ -139,14 +208,18 @@ class ElasticOuterStep(OuterStep):
                 if isinstance(work, OuterWork):
                     work.second_phase()
         applying = [k for k in self._keys(sched.applies(t) if sched.delay else []) if k in self.pending]
+        start = time.perf_counter()
         if applying:
             self._close(applying)
         if sched.starts(t):
             self._cycle(t, joining=False)
+        waited = time.perf_counter() - start
+        self._waited_s += waited
+        self.waited_total_s += waited
 
     def _cycle(self, t: int, joining: bool) -> Optional[Cycle]:
         """One cycle (see the module docstring); the cycle, or None when it was discarded."""
-        mine = Fingerprint(self.replica, self.config_hash, t, joining)
+        mine = self._fingerprint(t, joining)
         try:
             cycle = self.coordinator.open(mine, self.outer_steps)
         except TimeoutError:
@@ -166,6 +239,7 @@ class ElasticOuterStep(OuterStep):
             self.coordinator.commit()
             return None
         self._follow(cycle)
+        self._reweigh(cycle)
         if not cycle.exchanging:
             self.coordinator.commit()
             return cycle
@@ -258,18 +332,22 @@ class ElasticOuterStep(OuterStep):
         keys = [k for k, (_, _, _, f) in self.channels.items() if f not in synced]
         if not keys:  # every fragment just synced: the agreed parameters are every replica's already
             return {"exchanged": [], "in_flight": len(in_flight)}
-        mine = Fingerprint(self.replica, self.config_hash, t, joining=False)
+        mine = self._fingerprint(t, joining=False)
         cycle = self.coordinator.open(mine, self.outer_steps)
         if cycle.healed is not None or cycle.refused or not cycle.exchanging:
             self.coordinator.commit()
             return {"exchanged": [], "in_flight": len(in_flight)}
         self._follow(cycle)
+        contributors = {p.replica: p.samples for p in cycle.participants if not p.healed}
+        scale = batch_split.mean_factors(contributors).get(self.replica, 1.0)
         results = {}
         for key in keys:
             views, channel, _, _ = self.channels[key]
             errors = channel.state_dict()
             delta = torch.empty_like(self.agreed[key])
             views.outer_gradient(self.agreed[key], delta)
+            if scale != 1.0:
+                delta.mul_(scale)
             channel.mean_over = max(cycle.contributors, 1)
             work = channel.start(delta)
             work.wait()
@@ -290,3 +368,21 @@ class ElasticOuterStep(OuterStep):
     def load_state_dict(self, sd: Optional[dict]) -> None:
         super().load_state_dict(sd)
         self.coordinator.load_state_dict((sd or {}).get("elastic"))
+
+
+@dataclasses.dataclass
+class SplitSettings:
+    """How the replicas share each step's global batch (:mod:`.batch_split`)."""
+
+    mode: str
+    """--diloco-batch-split."""
+    global_batch: int
+    granule: int
+    """The smallest share (:func:`loco_megatron.config.run.batch_granule`)."""
+    weight: float
+    """--diloco-replica-weight."""
+    initial: Optional[Share]
+    """This replica's share before any outer step: fixed's, or None (agreed at the first)."""
+    slowest: Callable[[float], float] = float
+    """``slowest(seconds)``: the largest of every rank of this job's ``seconds`` (a
+    collective over the job; called at each outer step under ``throughput`` only)."""

@@ -74,5 +74,6 @@ def describe(config: Config, world_size: int) -> str:
     if d.elastic:
         return (f"DiLoCo (elastic, torchft): replica {d.diloco_replica_id} of {d.diloco_replicas} expected, this job "
                 f"{size} ranks ({grid}); lighthouse {d.diloco_lighthouse}, an outer step needs "
-                f"{d.diloco_min_replicas} live replica(s); {outer}")
+                f"{d.diloco_min_replicas} live replica(s); batch split {d.diloco_batch_split}"
+                + (f" (weight {d.diloco_replica_weight:g})" if d.diloco_batch_split != "fixed" else "") + f"; {outer}")
     return f"DiLoCo: {r} replicas of {size} ranks ({grid}; replica 0 = ranks 0-{size - 1}); {outer}"

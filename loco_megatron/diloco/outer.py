@@ -101,6 +101,12 @@ class OuterStep:
         self.final: Optional[dict[str, torch.Tensor]] = None
         """After :meth:`finish`: per channel, the agreed parameters after the run's final
         outer step (fp32 ``[N]``), which a checkpoint writes as ``diloco.final``."""
+        self.outer_scale = 1.0
+        """The factor this replica's outer gradients are sent with (elastic DiLoCo's
+        samples-weighted mean, :func:`.batch_split.mean_factors`; 1 in one world)."""
+
+    def count_step(self, seconds: float) -> None:
+        """One inner step took ``seconds`` (elastic DiLoCo measures its speed; here: nothing)."""
 
     # -- the per-step driver -------------------------------------------------------------
     def _keys(self, fragments: list[int], sub: Optional[int] = None) -> list[str]:
@@ -142,6 +148,8 @@ class OuterStep:
         views, channel, _, _ = self.channels[key]
         delta = torch.empty(views.numel, dtype=torch.float32, device=self.agreed[key].device)
         views.outer_gradient(self.agreed[key], delta)
+        if self.outer_scale != 1.0:  # (1.0: not even a multiply, so equal shares stay bit for bit)
+            delta.mul_(self.outer_scale)
         self.pending[key] = (t, channel.start(delta))
 
     def _apply(self, key: str) -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from loco_megatron.config import Config
+from loco_megatron.config.run import batch_granule
+from loco_megatron.diloco.batch_split import fixed_share
 from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.fragments import fragment_of
 from loco_megatron.diloco.outer import OuterStep, ShardViews
@@ -106,15 +109,31 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     if coordinator is None:
         return OuterStep(*args)
     from loco_megatron.diloco.elastic import config_hash
-    from loco_megatron.diloco.elastic_step import ElasticOuterStep
+    from loco_megatron.diloco.elastic_step import ElasticOuterStep, SplitSettings
 
     # What every replica must share: the shards (their sizes per channel, so the model's
-    # shape and the layout), the outer settings, the batch (every replica's share of it).
-    local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s")
+    # shape and the layout), the outer settings (the batch split's mode among them), the
+    # global batch.
+    local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s",
+             "diloco_replica_weight")
     shared = [config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size,
               dist.get_world_size(), {k: v for k, v in dataclasses.asdict(d).items() if k not in local},
               lc.loco_block_size, lc.loco_quant_seed, sorted(options.__dict__.items()), config.model.seq_length,
               config.data.global_batch_size, config.data.micro_batch_size,
               {k: ch.numel for k, (_, ch, _, _) in channels.items()}]
+    p, gbs = config.parallel, config.data.global_batch_size
+    device = next(iter(channels.values()))[0].views[0].device if channels else torch.device("cpu")
+
+    def slowest(seconds: float) -> float:  # (at an outer step, which waits for the others anyway)
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    split = SplitSettings(d.diloco_batch_split, gbs,
+                          batch_granule(config.data.micro_batch_size, config.data_parallel_size(dist.get_world_size()),
+                                        p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size),
+                          d.diloco_replica_weight,
+                          fixed_share(d.diloco_replica_id, d.diloco_replicas, gbs) if d.diloco_batch_split == "fixed"
+                          else None, slowest)
     return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
-                            relay=lambda key: makers[key]())
+                            relay=lambda key: makers[key](), split=split)

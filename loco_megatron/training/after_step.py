@@ -27,7 +27,7 @@ from loco_megatron.training.summary import RunTotals
 def new_window(device: torch.device, outer=None) -> dict:
     """An empty log window (figures accumulated on the device between two log lines)."""
     return {"loss": torch.zeros((), device=device), "steps": 0, "t0": time.perf_counter(), "grad_norm": None,
-            "skipped": 0, "comm": {}, "loco": None, "param": None,
+            "skipped": 0, "comm": {}, "loco": None, "param": None, "tokens": 0,
             "outer_steps": outer.outer_steps if outer is not None else 0}
 
 

@@ -130,7 +130,8 @@ def log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLay
         **({"train/grad_norm": window["grad_norm"]} if window["grad_norm"] is not None else {}),
         "train/lr": optimizer.param_groups[0]["lr"],
         "train/step_s": elapsed / steps,
-        "train/tokens_per_s": tokens_per_step * steps / elapsed,
+        # (this job's tokens: under elastic DiLoCo's batch split its share may change in a window)
+        "train/tokens_per_s": window.get("tokens", tokens_per_step * steps) / elapsed,
         "train/skipped_iters": state.skipped_iters + window["skipped"],
         "train/tokens_seen": state.tokens_seen,
         "mem/peak_bytes": peak_memory_bytes(device),
@@ -151,8 +152,14 @@ def log_window(window: dict, state: TrainerState, optimizer, layout: ParallelLay
             metrics["diloco/window_outer_steps"] = float(taken)
             metrics["diloco/outer_step_bytes_sent"] = metrics["comm/outer_bytes_sent"] * steps / taken
             metrics["diloco/outer_step_exposed_s"] = metrics["comm/outer_exposed_s"] * steps / taken
+        take_wait = getattr(outer, "take_wait", None)
+        if take_wait is not None:  # elastic: this job's time at outer steps (rank 0's), and its batch share
+            waited = take_wait()
+            metrics["diloco/outer_wait_s"] = waited
+            metrics["diloco/outer_wait_share"] = waited / elapsed
+            metrics["diloco/share_samples"] = float(outer.share.samples if outer.share is not None else 0)
     logger.log(state.iteration, metrics, total_iters)
-    window.update(loss=torch.zeros((), device=device), steps=0, t0=time.perf_counter(), skipped=0, comm={}, loco=None,
-                  param=None, grad_norm=None, outer_steps=outer.outer_steps if outer is not None else 0)
+    window.update(loss=torch.zeros((), device=device), steps=0, tokens=0, t0=time.perf_counter(), skipped=0, comm={},
+                  loco=None, param=None, grad_norm=None, outer_steps=outer.outer_steps if outer is not None else 0)
     return metrics
 

@@ -43,12 +43,17 @@ def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopReque
     if coordinator is not None:  # elastic DiLoCo: this replica's part in the run
         summary["summary/diloco_outer_steps_taken_part"] = coordinator.took_part
         summary["summary/diloco_outer_steps_committed"] = coordinator.committed
+        summary["summary/diloco_inner_steps"] = run.outer.inner_steps
+        summary["summary/diloco_outer_wait_s"] = run.outer.waited_total_s
+        summary["summary/diloco_outer_wait_share"] = run.outer.waited_total_s / max(summary["summary/wall_s"], 1e-9)
     if layout.is_logging_rank:
         print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
         if coordinator is not None:
             print(f"  DiLoCo replica {config.diloco.diloco_replica_id}: took part in {coordinator.took_part} of the "
-                  f"{coordinator.committed} outer steps committed while it was live; {summary['summary/tokens']:,} "
-                  f"tokens trained by this replica", flush=True)
+                  f"{coordinator.committed} outer steps committed while it was live; {run.outer.inner_steps} inner "
+                  f"steps, {summary['summary/tokens']:,} tokens trained by this replica; "
+                  f"{summary['summary/diloco_outer_wait_s']:.1f} s at outer steps "
+                  f"({100 * summary['summary/diloco_outer_wait_share']:.1f}% of its wall time)", flush=True)
         run.logger.summary(state.iteration, summary)
     if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
         raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")

@@ -14,6 +14,7 @@ from loco_megatron.checkpoint.model_shape import model_shape
 from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets
+from loco_megatron.diloco.batch_split import Share, fixed_share
 from loco_megatron.diloco.flags import ReplicaFlags, cross_replica_gloo_group
 from loco_megatron.diloco.layout import describe as describe_replicas
 from loco_megatron.distributed import ParallelLayout
@@ -154,10 +155,12 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     profiler.instrument(chunks, grad_sync)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
-    # Elastic DiLoCo: this job is replica r of R; its samples are replica r's of a one-world run.
-    r, n = (config.diloco.diloco_replica_id, config.diloco.diloco_replicas) if coordinator is not None else (0, 1)
-    batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size, r * layout.dp_size + layout.dp_rank,
-                                 n * layout.dp_size)
+    # Elastic DiLoCo: this job trains its replica's share of each step's global batch (fixed:
+    # replica r of R, as in a one-world run; other splits are agreed at the first outer step).
+    share = fixed_share(config.diloco.diloco_replica_id, config.diloco.diloco_replicas, d.global_batch_size) \
+        if coordinator is not None else Share(0, d.global_batch_size)
+    batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size, layout.dp_rank, layout.dp_size,
+                                 share=(share.offset, share.samples))
     # Several replicas: each one's guard only records its verdict, which the replicas
     # agree on at an outer step (a replica raising alone would leave the others waiting).
     state, guard = TrainerState(), SkipGuard(t.max_skipped_consecutive, defer=layout.replicas > 1)
@@ -205,7 +208,7 @@ def bind_heal(run: Run) -> None:
         say(layout, "DiLoCo: the inner optimizer state is " + (f"this replica's own, from {run.resume}"
                                                                if run.resume else "fresh (no checkpoint of this replica)"))
 
-    run.outer.bind_progress(progress, take)
+    run.outer.bind_progress(progress, take, batches.set_share)
 
 
 def start(run: Run, kernels_why: Optional[str]) -> None:

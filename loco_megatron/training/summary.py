@@ -64,6 +64,10 @@ def batch_line(config: Config, dp: int) -> str:
     ``--diloco-replicas`` and trains on its share of the global batch."""
     d, m = config.data, config.model
     jobs = config.diloco.diloco_replicas if config.diloco.elastic else 1
+    if jobs > 1 and config.diloco.diloco_batch_split != "fixed":
+        return (f"batch: global {d.global_batch_size} samples = {d.global_batch_size * m.seq_length:,} tokens per step "
+                f"over {jobs} replica jobs, shared by {config.diloco.diloco_batch_split} "
+                f"(--diloco-batch-split: the shares are agreed at the first outer step)")
     samples = d.global_batch_size // jobs
     head = f"batch: micro {d.micro_batch_size} x {samples // (d.micro_batch_size * dp)} micro batches x DP {dp} = "
     if jobs == 1:

@@ -81,9 +81,6 @@ def _loop(run: Run) -> dict:
     DiLoCo's final outer step, the save, the summary). Returns rank 0's last logged metrics."""
     config, layout, state, ckpt, t = run.config, run.layout, run.state, run.ckpt, run.config.train
     d, device = config.data, run.device
-    # (elastic DiLoCo: this job's share, one replica's of the global batch)
-    tokens_per_step = d.global_batch_size * config.model.seq_length // (
-        config.diloco.diloco_replicas if config.diloco.elastic else 1)
     last: dict = {}
     window = new_window(device, run.outer)
     stop = StopRequest(t.stop_file, layout.is_logging_rank, run.env.started_at, launcher_pid=run.env.launcher_pid)
@@ -102,12 +99,16 @@ def _loop(run: Run) -> dict:
                                 run.batches.num_microbatches, config.model.seq_length, d.micro_batch_size, device,
                                 poison=t.nan_poisoned(state.iteration + 1, layout.rank), ranges=run.profiler.ranges)
             state.iteration += 1
+            # (elastic DiLoCo: this job's share of the global batch, which the batch split may move)
+            tokens_per_step = run.batches.samples * config.model.seq_length
             if watchdog:
                 watchdog.iteration = state.iteration
             if run.outer is not None:  # DiLoCo: the outer step, where the schedule puts one
+                run.outer.count_step(time.perf_counter() - t_step)
                 run.outer.after_step(state.iteration)
             run.profiler.after_step(state.iteration)
             state.tokens_seen += tokens_per_step
+            window["tokens"] += tokens_per_step
             state.train_time_s += time.perf_counter() - t_step
             comm, loco_sums = run.comm_stats.take()
             totals.add_step(comm)

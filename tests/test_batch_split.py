@@ -1,0 +1,123 @@
+"""Elastic DiLoCo's batch split (loco_megatron/diloco/batch_split.py), its sample streams
+(MicroBatchIterator shares) and its flags, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loco_megatron.diloco.batch_split import (MIN_GAIN, Member, Share, fixed_share, idle_share, mean_factors,
+                                              next_split, split)
+
+
+def test_a_split_is_proportional_whole_granules_and_covers_the_batch_once():
+    """Guards against shares that overlap, leave a gap, are not whole micro batches on
+    every data-parallel rank, starve a slow replica of any share, or depend on the order
+    the fingerprints arrived in (the replicas would read different samples)."""
+    assert split([0, 1], [2.0, 1.0], 12, 2) == {0: Share(0, 8), 1: Share(8, 4)}
+    assert split([1, 0], [1.0, 2.0], 12, 2) == {0: Share(0, 8), 1: Share(8, 4)}
+    assert split([0, 1], [100.0, 1.0], 12, 2) == {0: Share(0, 10), 1: Share(10, 2)}  # one granule at least
+    for rates in ([1.0, 1.0, 1.0], [3.0, 1.0, 1.0], [0.3, 5.0, 2.2], [1.0, 1.0, 1e-9]):
+        for granule, gbs in ((2, 12), (4, 48), (1, 7)):
+            shares = split([5, 2, 9], rates, gbs, granule)
+            spans = sorted((s.offset, s.offset + s.samples) for s in shares.values())
+            assert spans[0][0] == 0 and spans[-1][1] == gbs and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(s.samples % granule == 0 and s.samples >= granule for s in shares.values())
+            assert [shares[r].offset for r in (2, 5, 9)] == sorted(s.offset for s in shares.values())  # by replica id
+    assert split([0, 1, 2], [1.0, 1.0, 1.0], 12, 2) == {r: fixed_share(r, 3, 12) for r in range(3)}
+    with pytest.raises(ValueError):
+        split([0, 1, 2], [1.0, 1.0, 1.0], 4, 2)
+
+
+def test_the_split_changes_when_replicas_come_or_go_and_when_speeds_pay_for_it():
+    """Guards against a dead replica's share left unassigned (its samples skipped every
+    step), a new replica given nothing, shares that churn on measurement noise, and an
+    unmeasured replica (just joined) counted as infinitely slow or fast."""
+    assert next_split("fixed", [Member(0, 6, 1.0, 1), Member(1, 0, 0.0, 1)], 12, 2) is None
+    # replica 1 left: the survivor's 6 no longer cover 12
+    assert next_split("weight", [Member(0, 6, 0.0, 2)], 12, 2) == {0: Share(0, 12)}
+    # replica 2 joins (share 0): the weights split the batch among all
+    assert next_split("weight", [Member(0, 12, 0.0, 2), Member(2, 0, 0.0, 1)], 12, 2) == {0: Share(0, 8),
+                                                                                          2: Share(8, 4)}
+    assert next_split("weight", [Member(0, 8, 0.0, 2), Member(2, 4, 0.0, 1)], 12, 2) is None
+    # throughput: 2x faster replica 0, equal shares: a re-split removes half a step of idling
+    assert next_split("throughput", [Member(0, 6, 40.0, 1), Member(1, 6, 20.0, 1)], 12, 2) == {0: Share(0, 8),
+                                                                                               1: Share(8, 4)}
+    # noise around the right split: kept
+    assert next_split("throughput", [Member(0, 8, 41.0, 1), Member(1, 4, 19.0, 1)], 12, 2) is None
+    near = [Member(0, 6, 20.0 * (1 + MIN_GAIN / 2), 1), Member(1, 6, 20.0, 1)]
+    assert idle_share([6, 6], [m.speed for m in near]) < MIN_GAIN and next_split("throughput", near, 12, 2) is None
+    # a joiner not measured yet counts at the measured mean
+    assert next_split("throughput", [Member(0, 12, 30.0, 1), Member(1, 0, 0.0, 1)], 12, 2) == {0: Share(0, 6),
+                                                                                               1: Share(6, 6)}
+    # nobody measured (a whole-run restart): the weights
+    assert next_split("throughput", [Member(0, 0, 0.0, 3), Member(1, 0, 0.0, 1)], 16, 2) == {0: Share(0, 12),
+                                                                                             1: Share(12, 4)}
+
+
+def test_the_outer_mean_is_weighted_by_the_samples_each_replica_trained():
+    """Guards against an outer step that averages replicas of unequal shares as equals (a
+    replica that trained a third of the samples would pull half of the update) and against
+    a factor that is not exactly 1 for equal shares (the fixed split's exchange would no
+    longer be bit for bit the same as before the split existed)."""
+    torch.manual_seed(0)
+    samples = {0: 8, 3: 4, 5: 2}
+    deltas = {r: torch.randn(64, dtype=torch.float64) for r in samples}
+    factors = mean_factors(samples)
+    channel_mean = sum(factors[r] * deltas[r] for r in samples) / len(samples)  # what the exchange computes
+    weighted = sum(samples[r] * deltas[r] for r in samples) / sum(samples.values())
+    assert torch.allclose(channel_mean, weighted, rtol=0, atol=1e-12)
+    assert mean_factors({0: 4, 1: 4, 2: 4}) == {0: 1.0, 1: 1.0, 2: 1.0}
+    assert mean_factors({0: 6, 1: 0}) == {0: 2.0, 1: 0.0}  # a contributor with no share yet adds nothing
+
+
+def test_replica_streams_are_disjoint_and_cover_every_step_across_share_changes():
+    """Guards against a replica's data ranks reading outside its share, two replicas reading
+    the same sample, or a share change mid-run shifting the stream (samples trained twice
+    or skipped): every step owns one global batch, and the shares of that step tile it."""
+    from loco_megatron.data.dataset import MicroBatchIterator
+
+    data = [{"x": torch.tensor([i])} for i in range(1000)]
+    gbs, mbs = 12, 2
+    # replica A: 2 data-parallel ranks; replica B: 1 rank
+    a = [MicroBatchIterator(data, gbs, mbs, r, 2, share=(0, 8)) for r in range(2)]
+    b = MicroBatchIterator(data, gbs, mbs, 0, 1, share=(8, 4))
+    read = []
+    for step in range(6):
+        if step == 3:  # the replicas re-split at an outer step
+            for it in a:
+                it.set_share(0, 4)
+            b.set_share(4, 8)
+        got = [int(mb["x"][i]) for it in (*a, b) for mb in it.step() for i in range(mbs)]
+        assert sorted(got) == list(range(step * gbs, (step + 1) * gbs)), (step, got)
+        read += got
+    assert len(read) == len(set(read)) == 6 * gbs
+    assert a[0].num_microbatches == 1 and b.num_microbatches == 4
+    with pytest.raises(ValueError):
+        b.set_share(6, 8)  # past the batch
+    with pytest.raises(ValueError):
+        a[0].set_share(0, 6)  # 3 rows per data rank is not whole micro batches of 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--diloco-replicas", "2", "--diloco-batch-split", "weight"],
+     "--diloco-batch-split: weight needs --diloco-lighthouse"),
+    (["--diloco-replicas", "2", "--diloco-lighthouse", "http://h:1", "--diloco-replica-id", "0",
+      "--diloco-replica-weight", "2"], "--diloco-replica-weight: needs --diloco-batch-split weight or throughput"),
+    (["--diloco-replicas", "2", "--diloco-lighthouse", "http://h:1", "--diloco-replica-id", "0",
+      "--diloco-batch-split", "weight", "--diloco-replica-weight", "0"], "--diloco-replica-weight: 0.0 is not > 0"),
+    (["--diloco-replicas", "3", "--diloco-lighthouse", "http://h:1", "--diloco-replica-id", "0",
+      "--diloco-batch-split", "throughput", "--global-batch-size", "4", "--micro-batch-size", "2"],
+     "--global-batch-size: 4 is not a multiple of 2 samples"),
+])
+def test_bad_batch_split_flags_are_one_line(argv, message):
+    """Guards against a split asked of a one-job run (its replicas are one world and must be
+    equal), a weight that the fixed split would silently ignore, a zero weight, and a global
+    batch too small to give every replica a share: each is one line naming the flag."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config = parse_config(argv)
+        config.data_parallel_size(1)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
