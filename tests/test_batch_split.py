@@ -33,25 +33,30 @@ def test_the_split_changes_when_replicas_come_or_go_and_when_speeds_pay_for_it()
     """Guards against a dead replica's share left unassigned (its samples skipped every
     step), a new replica given nothing, shares that churn on measurement noise, and an
     unmeasured replica (just joined) counted as infinitely slow or fast."""
-    assert next_split("fixed", [Member(0, 6, 1.0, 1), Member(1, 0, 0.0, 1)], 12, 2) is None
+    assert next_split("fixed", [Member(0, 6, 1.0, 1), Member(1, 0, 0.0, 1)], 12) is None
     # replica 1 left: the survivor's 6 no longer cover 12
-    assert next_split("weight", [Member(0, 6, 0.0, 2)], 12, 2) == {0: Share(0, 12)}
+    assert next_split("weight", [Member(0, 6, 0.0, 2)], 12) == {0: Share(0, 12)}
     # replica 2 joins (share 0): the weights split the batch among all
-    assert next_split("weight", [Member(0, 12, 0.0, 2), Member(2, 0, 0.0, 1)], 12, 2) == {0: Share(0, 8),
+    assert next_split("weight", [Member(0, 12, 0.0, 2), Member(2, 0, 0.0, 1)], 12) == {0: Share(0, 8),
                                                                                           2: Share(8, 4)}
-    assert next_split("weight", [Member(0, 8, 0.0, 2), Member(2, 4, 0.0, 1)], 12, 2) is None
+    assert next_split("weight", [Member(0, 8, 0.0, 2), Member(2, 4, 0.0, 1)], 12) is None
     # throughput: 2x faster replica 0, equal shares: a re-split removes half a step of idling
-    assert next_split("throughput", [Member(0, 6, 40.0, 1), Member(1, 6, 20.0, 1)], 12, 2) == {0: Share(0, 8),
+    assert next_split("throughput", [Member(0, 6, 40.0, 1), Member(1, 6, 20.0, 1)], 12) == {0: Share(0, 8),
                                                                                                1: Share(8, 4)}
     # noise around the right split: kept
-    assert next_split("throughput", [Member(0, 8, 41.0, 1), Member(1, 4, 19.0, 1)], 12, 2) is None
+    assert next_split("throughput", [Member(0, 8, 41.0, 1), Member(1, 4, 19.0, 1)], 12) is None
     near = [Member(0, 6, 20.0 * (1 + MIN_GAIN / 2), 1), Member(1, 6, 20.0, 1)]
-    assert idle_share([6, 6], [m.speed for m in near]) < MIN_GAIN and next_split("throughput", near, 12, 2) is None
+    assert idle_share([6, 6], [m.speed for m in near]) < MIN_GAIN and next_split("throughput", near, 12) is None
     # a joiner not measured yet counts at the measured mean
-    assert next_split("throughput", [Member(0, 12, 30.0, 1), Member(1, 0, 0.0, 1)], 12, 2) == {0: Share(0, 6),
+    assert next_split("throughput", [Member(0, 12, 30.0, 1), Member(1, 0, 0.0, 1)], 12) == {0: Share(0, 6),
                                                                                                1: Share(6, 6)}
+    # replicas of other layouts: shares in whole steps of both (DP 2 x micro 2 and DP 1 x micro 2)
+    assert next_split("weight", [Member(0, 0, 0.0, 1, granule=4), Member(1, 0, 0.0, 2, granule=2)], 12) == \
+        {0: Share(0, 4), 1: Share(4, 8)}
+    with pytest.raises(ValueError, match="do not split --global-batch-size 12"):
+        next_split("weight", [Member(0, 0, 0.0, 1, granule=8), Member(1, 0, 0.0, 1, granule=2)], 12)
     # nobody measured (a whole-run restart): the weights
-    assert next_split("throughput", [Member(0, 0, 0.0, 3), Member(1, 0, 0.0, 1)], 16, 2) == {0: Share(0, 12),
+    assert next_split("throughput", [Member(0, 0, 0.0, 3), Member(1, 0, 0.0, 1)], 16) == {0: Share(0, 12),
                                                                                              1: Share(12, 4)}
 
 

@@ -74,13 +74,13 @@ class Run:
         :meth:`start_then_release` lets it go on (tests/elastic_check.py)."""
         return {"LOCO_TEST_HOLD_AT": ",".join(map(str, iterations)), "LOCO_TEST_RELEASE": str(self.tmp / "release")}
 
-    def start_then_release(self, name: str, replica: int, held_at: int, *more: str) -> None:
+    def start_then_release(self, name: str, replica: int, held_at: int, *more: str, nproc: int = 1) -> None:
         """Start a job, wait until it is about to ask for its first quorum, then release the
         jobs held after ``held_at``: the live replicas meet it at their next sync point,
         however long its start-up takes on a loaded machine."""
         pattern = f"replica{replica}_rank0.asking.*"
         asked = set((self.tmp / "dump").glob(pattern))
-        self.start(name, replica, *more)
+        self.start(name, replica, *more, nproc=nproc)
         deadline = time.monotonic() + 600
         while not set((self.tmp / "dump").glob(pattern)) - asked:
             assert self.jobs[name].poll() is None, self.log(name)[-3000:]
@@ -292,6 +292,80 @@ def test_unequal_shares_cover_each_batch_once_through_a_death_and_a_rejoin(cache
     assert "inner steps" in run.log("r1b") and "s at outer steps" in run.log("r1b")
 
 
+def test_replicas_of_different_layouts_train_one_model_bit_for_bit(cache_dir, tmp_path):
+    """Guards against replicas of different layouts exchanging mismatched elements (rank k
+    of a TP 2 replica holds other parts of the model than rank k of a one-rank replica),
+    against their different initial weights (megatron seeds each TP slice apart) never
+    being reconciled, and against shares that overlap when the replicas' steps differ: a
+    2-rank TP 2 replica (weight 2) and a 1-rank replica exchange over one lane each
+    (--diloco-outer-ranks 1); their agreed parameters and momentum are bit-identical from
+    the start and after every outer step, and their shares (8 and 4 of 12) tile each batch."""
+    gbs = 12
+    run = Run(tmp_path, cache_dir, replicas=2, iters=12,
+              extra=["--global-batch-size", str(gbs), "--diloco-batch-split", "weight", "--diloco-outer-ranks", "1"])
+    try:
+        run.start("r0", 0, "--tensor-model-parallel-size", "2", "--diloco-replica-weight", "2", nproc=2)
+        run.start("r1", 1)
+        codes = [run.finish("r0"), run.finish("r1")]
+        assert codes == [0, 0], (run.log("r0")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    a, b = run.dumps(0), run.dumps(1)
+    joined = [d for d in a if d["at"] == "join"][-1], [d for d in b if d["at"] == "join"][-1]
+    assert joined[0]["agreed"] == joined[1]["agreed"], joined  # the start: one model
+    ca, cb = _committed(a), _committed(b)
+    assert {4, 8, 12} <= set(ca) & set(cb)
+    for it in (4, 8, 12):
+        assert (ca[it]["agreed"], ca[it]["momentum"]) == (cb[it]["agreed"], cb[it]["momentum"]), it
+        assert ca[it]["outer_steps"] == cb[it]["outer_steps"] == it // H
+    finals = [d for d in a if d["at"] == "final"][-1], [d for d in b if d["at"] == "final"][-1]
+    assert finals[0]["agreed"] == finals[1]["agreed"]
+    zero, one = _trained(a, gbs), _trained(b, gbs)
+    assert all(sorted(zero[it] + one[it]) == [(0, 8), (8, 12)] for it in range(1, 13)), (zero, one)
+    assert "batch split from iteration 0: replica 0 8, replica 1 4 samples per step (weights 2, 1)" in run.log("r0")
+
+
+def test_an_unequal_replica_killed_and_restarted_in_another_layout_heals_and_agrees(cache_dir, tmp_path):
+    """Guards against a replica that cannot come back in another layout (its checkpoint and
+    the heal are in its old shards), or that comes back with a stale share of the batch:
+    a TP 2 replica is killed, restarted as DP 2 from its own checkpoint, heals from the
+    one-rank replica (--diloco-batch-split throughput, --diloco-outer-ranks 1), and from the
+    outer step it joins at their agreed parameters are bit-identical and their shares tile
+    each batch (whole micro batches on each of its 2 data-parallel ranks)."""
+    gbs = 12
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20,
+              extra=["--global-batch-size", str(gbs), "--diloco-batch-split", "throughput", "--diloco-outer-ranks", "1"])
+    try:
+        run.start("r0", 0, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck0"), "--save-interval", "4",
+                  nproc=2)
+        run.start("r1", 1, env=run.hold(11))
+        run.wait_iteration("r0", 5)
+        run.kill("r0")
+        run.wait_iteration("r1", 10)
+        run.start_then_release("r0b", 0, 11, "--load", str(tmp_path / "ck0"), nproc=2)
+        codes = [run.finish("r0b"), run.finish("r1")]
+        assert codes == [0, 0], (run.log("r0b")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    log = run.log("r0b")
+    assert "DiLoCo: healed from replica 1" in log, log[-3000:]
+    zeros, ones = run.dumps(0), run.dumps(1)
+    rejoin = [d for d in zeros if d["at"] == "join"][-1]
+    assert rejoin["iteration"] >= 12, rejoin
+    mine, theirs = _committed(zeros), _committed(ones)
+    after = sorted(it for it in set(mine) & set(theirs) if it >= rejoin["iteration"])
+    assert after and after[-1] == run.iters, after
+    assert all((mine[it]["agreed"], mine[it]["momentum"]) == (theirs[it]["agreed"], theirs[it]["momentum"])
+               for it in after)
+    restarted = [d for d in zeros if zeros.index(d) >= zeros.index(rejoin)]
+    steps = [s for d in restarted for s in d["steps"]]
+    assert steps and all(s[4] == 2 and s[2] % 4 == 0 for s in steps), steps[:3]  # DP 2: whole micro batches each
+    zero, one = _trained(restarted, gbs), _trained(ones, gbs)
+    for it in range(rejoin["iteration"] + 1, run.iters + 1):
+        spans = sorted(set(zero[it]) | set(one[it]))
+        assert spans[0][0] == 0 and spans[-1][1] == gbs and all(x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
+
+
 def test_a_replica_dying_inside_an_exchange_is_discarded_everywhere(cache_dir, tmp_path):
     """Guards against a half-applied outer step when a replica dies in the middle of an
     exchange (phase 1 launched, its peer waiting on it): the survivor discards that outer
@@ -356,8 +430,8 @@ def test_bad_replicas_are_refused_in_one_line_and_the_run_goes_on(cache_dir, tmp
         run.close()
     for name, line in (("duplicate", "pretrain_gpt.py: error: --diloco-replica-id 0: another live job already runs "
                                      "as replica 0 (each replica id once)"),
-                       ("other_shape", "pretrain_gpt.py: error: --diloco-replica-id 1: its model shape, layout or "
-                                       "outer settings differ from the run's (replica 0's)")):
+                       ("other_shape", "pretrain_gpt.py: error: --diloco-replica-id 1: its model shape or outer settings "
+                                       "differ from the run's (replica 0's)")):
         errors = [ln for ln in run.log(name).splitlines() if "pretrain_gpt.py: error:" in ln]
         assert errors and all(ln.endswith(line.split("error: ", 1)[1]) for ln in errors), run.log(name)[-3000:]
     assert sorted(train_losses(run.metrics("live"))) == list(range(1, 41))
@@ -395,10 +469,12 @@ def test_refusal_keeps_the_job_that_was_there_first():
         line, ranks = refused(*order)
         assert "another live job already runs as replica 0" in line and ranks == {order.index(newcomer)}
     line, ranks = refused(Fingerprint(1, 9, 0, True, cycles=0), Fingerprint(0, 7, 0, True, cycles=3))
-    assert line.startswith("--diloco-replica-id 1: its model shape") and ranks == {0}
+    assert line.startswith("--diloco-replica-id 1: its model shape or outer settings differ") and ranks == {0}
     line, ranks = refused(Fingerprint(1, 7, 0, True, cycles=50), Fingerprint(0, 9, 12, False, cycles=2))
     assert line.startswith("--diloco-replica-id 1:") and ranks == {0}  # the one 12 iterations on is the run
     assert refused(Fingerprint(0, 7, 4, False, cycles=1), Fingerprint(1, 7, 4, False, cycles=1)) == ("", set())
+    line, ranks = refused(Fingerprint(1, 7, 0, True, cycles=0, lanes=2), Fingerprint(0, 7, 0, True, cycles=3, lanes=1))
+    assert line.startswith("--diloco-replica-id 1: --diloco-outer-ranks 2 differs from the run's 1") and ranks == {0}
 
 
 def test_an_elastic_jobs_batch_line_is_its_share_of_the_global_batch():

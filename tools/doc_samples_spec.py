@@ -106,6 +106,17 @@ wait %2 %3 %5; kill %1"""
 replica killed mid-interval and restarted (the pkill pattern's ``[2]`` keeps it from
 matching the shell that runs these lines)."""
 
+ELASTIC_UNEQUAL = """mkdir -p runs
+torchft_lighthouse --min_replicas 1 --bind "[::]:29511" > runs/lighthouse2.log 2>&1 &
+site() {  # replica $1 with $2 ranks (more flags after them)
+  torchrun --standalone --nproc_per_node $2 pretrain_gpt.py --global-batch-size 12 --micro-batch-size 2 \\
+      --diloco-replicas 2 --diloco-replica-id $1 --diloco-lighthouse http://localhost:29511 \\
+      --diloco-outer-ranks 1 --diloco-batch-split throughput --train-iters 192 --diloco-inner-steps 16 \\
+      "${@:3}" > runs/unequal$1.log 2>&1
+}
+site 0 2 --tensor-model-parallel-size 2 & site 1 1 & wait %2 %3; kill %1"""
+"""diloco.md's unequal sites: a 2-rank TP 2 replica and a 1-rank replica on one machine."""
+
 RUNS: dict[str, Run] = {
     # README, training.md, loco.md: the README's first command, 200 steps
     "default": Run("torchrun --standalone --nproc_per_node 2 pretrain_gpt.py --loco-bits 4"),
@@ -242,6 +253,7 @@ RUNS: dict[str, Run] = {
     "diloco-run": Run("torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --loco-bits 4 --diloco-replicas 2 \\\n"
                       "    --diloco-inner-steps 32 --train-iters 256"),
     "diloco-sites": Run(ELASTIC_SITES, timeout=1800, folder="sites"),
+    "diloco-unequal": Run(ELASTIC_UNEQUAL, timeout=1800, folder="unequal"),
 }
 
 SAMPLES: dict[str, Sample] = {
@@ -294,6 +306,11 @@ SAMPLES: dict[str, Sample] = {
     "diloco-sites": Sample((Part("diloco-sites", ()),), "bash"),
     "diloco-left": Sample((Part("diloco-sites", (r"^DiLoCo: (replica 2 |\d replica)",), command=False,
                                 log="runs/site0.log"),), "output"),
+    "diloco-unequal": Sample((Part("diloco-unequal", ()),), "bash"),
+    "diloco-unequal-lines": Sample((Part("diloco-unequal", (r"^DiLoCo: (batch split|replica \d joined)",
+                                                           r"^  DiLoCo replica"), command=False, log="runs/unequal0.log"),
+                                    Part("diloco-unequal", (r"^DiLoCo: batch split", r"^  DiLoCo replica"),
+                                         command=False, log="runs/unequal1.log")), "output"),
     "diloco-join": Sample((Part("diloco-sites", (r"^resuming from", r"^DiLoCo: (replica 2 joins|replica \d joined|healed|the)",
                                                  r"^  DiLoCo replica"), command=False, log="runs/site2.log"),), "output"),
 }

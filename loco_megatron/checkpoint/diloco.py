@@ -117,12 +117,22 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
     names = ["agreed", *(["momentum"] if momentum else []),
              # the run's last step: the model every replica ends on (exports read it; a resume does not)
              *(["final"] if not is_loading and outer.final is not None else [])]
+    lanes = getattr(outer, "lane_blocks", None)
     for name in names:
         out[name] = {}
         for key, (views, *_rest) in outer.channels.items():
             flat = (torch.empty(views.numel, dtype=torch.float32) if is_loading
                     else getattr(outer, name)[key].clone())
             blocks = []
+            if lanes is not None:  # elastic: the lanes hold canonical ranges, each element once per job
+                from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+                for mkey, global_shape, origin, shape, at in lanes(key):
+                    blocks.append(ShardedTensor(f"diloco.{name}.{mkey}", flat[at:at + math.prod(shape)].view(shape),
+                                                torch.float32, tuple(shape), tuple(global_shape), tuple(origin),
+                                                axis_fragmentations=None, replica_id=0))
+                out[name][key] = blocks
+                continue
             for (param, start, end), at in zip(views.slices, views.offsets):
                 for m, shape, first in _pieces(meta[param], start, end, replica):
                     lo = at + first - start
@@ -141,8 +151,9 @@ def loaded_state(entry: Optional[dict]) -> Optional[dict]:
     if not entry or "agreed" not in entry:
         return None
 
-    def flat(per_channel: dict) -> dict:
-        return {key: torch.cat([b.reshape(-1) for b in blocks]) for key, blocks in per_channel.items()}
+    def flat(per_channel: dict) -> dict:  # (a rank hosting no lane has no blocks)
+        return {key: torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.empty(0)
+                for key, blocks in per_channel.items()}
 
     return {"schedule": entry["schedule"], "outer_steps": entry["outer_steps"], "agreed": flat(entry["agreed"]),
             "momentum": flat(entry["momentum"]) if "momentum" in entry else None,

@@ -78,6 +78,12 @@ class DiLoCoConfig:
     """Elastic DiLoCo: the timeout of each collective between replicas, of the heal
     transfer and of the commit: what a replica dying inside an exchange costs the others
     at most before they discard that exchange and go on."""
+    diloco_outer_ranks: Optional[int] = None
+    """Elastic DiLoCo: over how many ranks of each replica its outer exchange runs, L. The
+    outer state lives in L lanes, a partition of the model that does not depend on the
+    layout (lane j on rank j*W/L of a replica of W ranks), so replicas of different
+    TP x PP x DP layouts and sizes train one model; every replica must use the same L, at
+    most its world size. Default: the job's world size."""
     diloco_batch_split: str = choice("fixed", BATCH_SPLITS)
     """Elastic DiLoCo: how the live replicas share each step's global batch. fixed: replica
     r of R trains G/R samples (lockstep: the slowest replica sets the pace); weight: in
@@ -105,12 +111,15 @@ class DiLoCoConfig:
                     f"{self.diloco_min_replicas} is not in 1 ... --diloco-replicas ({self.diloco_replicas})")
             require(self.diloco_quorum_timeout_s > 0 and self.diloco_exchange_timeout_s > 0,
                     "diloco_quorum_timeout_s", "the timeouts must be > 0")
+            require(self.diloco_outer_ranks is None or self.diloco_outer_ranks >= 1, "diloco_outer_ranks",
+                    f"{self.diloco_outer_ranks} is not >= 1")
             require(self.diloco_replica_weight > 0, "diloco_replica_weight",
                     f"{self.diloco_replica_weight} is not > 0")
             require(self.diloco_replica_weight == 1.0 or self.diloco_batch_split != "fixed", "diloco_replica_weight",
                     "needs --diloco-batch-split weight or throughput (fixed gives every replica G/R samples)")
         else:
             require(self.diloco_replica_id is None, "diloco_replica_id", "needs --diloco-lighthouse (elastic DiLoCo)")
+            require(self.diloco_outer_ranks is None, "diloco_outer_ranks", "needs --diloco-lighthouse (elastic DiLoCo)")
             require(self.diloco_batch_split == "fixed", "diloco_batch_split",
                     f"{self.diloco_batch_split} needs --diloco-lighthouse (the replicas of one job are equal)")
         # With tau 0 the replicas take the agreed parameters at once: mixing their own back

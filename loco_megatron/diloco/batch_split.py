@@ -25,6 +25,7 @@ Pure functions of integers and floats: no torch, no collectives.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 MODES = ("fixed", "weight", "throughput")
@@ -54,6 +55,19 @@ class Member:
     """Samples per second it trained over that interval (0: not measured)."""
     weight: float
     """--diloco-replica-weight."""
+    granule: int = 1
+    """Its smallest share (micro batch x its data-parallel size; replicas' layouts differ)."""
+
+
+def common_granule(members: list[Member], global_batch: int) -> int:
+    """The smallest share every member's step can take (the least common multiple of
+    theirs); ValueError when it leaves the global batch without one for each."""
+    granule = math.lcm(*(m.granule for m in members))
+    if global_batch % granule or global_batch // granule < len(members):
+        raise ValueError(f"the replicas' smallest shares ({', '.join(str(m.granule) for m in members)} samples: micro "
+                         f"batch x data-parallel size) do not split --global-batch-size {global_batch} into "
+                         f"{len(members)} whole shares")
+    return granule
 
 
 def fixed_share(replica: int, replicas: int, global_batch: int) -> Share:
@@ -107,14 +121,16 @@ def rates_of(mode: str, members: list[Member]) -> list[float]:
     return [m.weight for m in members]
 
 
-def next_split(mode: str, members: list[Member], global_batch: int, granule: int) -> Optional[dict[int, Share]]:
+def next_split(mode: str, members: list[Member], global_batch: int) -> Optional[dict[int, Share]]:
     """The shares from this outer step on, or None to keep the current ones. ``members``:
     every live replica (the same list, in the same order, on every replica). The current
     shares are kept when they still cover the batch (no replica came or went) and, in
-    ``throughput`` mode, a re-split would not gain more than :data:`MIN_GAIN`."""
+    ``throughput`` mode, a re-split would not gain more than :data:`MIN_GAIN`. Shares are
+    whole :func:`common_granule`s."""
     if mode == "fixed":
         return None
     members = sorted(members, key=lambda m: m.replica)
+    granule = common_granule(members, global_batch)
     rates = rates_of(mode, members)
     target = split([m.replica for m in members], rates, global_batch, granule)
     current = [m.samples for m in members]

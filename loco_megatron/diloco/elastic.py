@@ -1,10 +1,14 @@
 """Elastic DiLoCo on torchft: replicas as jobs of their own that fail, leave and rejoin.
 
-Each replica is one torchrun job with its own megatron world (TP x PP x inner DP). Every
-rank runs a torchft ``Manager`` on its job's store; rank k of each live replica meets rank
-k of the others in a process group torchft builds anew for each quorum, which a
-``Lighthouse`` (``torchft_lighthouse``) forms from the replicas asking at that moment. The
-outer exchange of :mod:`.exchange` runs over that group through :func:`torchft_ops`.
+Each replica is one torchrun job with its own megatron world (TP x PP x inner DP), which
+may differ from the other replicas'. The outer state lives in *lanes* (:mod:`.lanes`): a
+partition of the model that depends on the model alone, lane ``j`` of --diloco-outer-ranks
+hosted by one rank of each replica. Every lane host runs a torchft ``Manager`` on its
+job's store; the host of lane j of each live replica meets the others' in a process group
+torchft builds anew for each quorum, which a ``Lighthouse`` (``torchft_lighthouse``)
+forms from the replicas asking at that moment. The outer exchange of :mod:`.exchange`
+runs over that group through :func:`torchft_ops`; the other ranks of a replica learn what
+each cycle decided from its rank 0 (lane 0's host).
 
 One *cycle* per outer step, in program order on every live rank
 (:meth:`ElasticCoordinator.open` ... :meth:`ElasticCoordinator.commit`):
@@ -96,22 +100,27 @@ class Fingerprint:
     """Samples per second it trained over that interval, x 1000 (0: not measured)."""
     weight: int = 1000
     """--diloco-replica-weight x 1000."""
+    lanes: int = 1
+    """--diloco-outer-ranks (every replica must have the same)."""
+    granule: int = 1
+    """Its smallest batch share (micro batch x its data-parallel size)."""
 
-    WIDTH = 9
+    WIDTH = 11
     """int64 entries of :meth:`tensor`."""
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([self.replica, self.config, self.iteration, int(self.joining), int(self.healed),
-                             self.cycles, self.samples, self.speed, self.weight], dtype=torch.int64)
+                             self.cycles, self.samples, self.speed, self.weight, self.lanes, self.granule],
+                            dtype=torch.int64)
 
     @classmethod
     def of(cls, row: torch.Tensor) -> "Fingerprint":
-        r, c, it, j, h, n, s, v, w = (int(x) for x in row.tolist())
-        return cls(r, c, it, bool(j), bool(h), n, s, v, w)
+        r, c, it, j, h, n, s, v, w, lanes, g = (int(x) for x in row.tolist())
+        return cls(r, c, it, bool(j), bool(h), n, s, v, w, lanes, g)
 
     def member(self) -> Member:
         """What the batch split needs of this participant."""
-        return Member(self.replica, self.samples, self.speed / 1000, self.weight / 1000)
+        return Member(self.replica, self.samples, self.speed / 1000, self.weight / 1000, self.granule)
 
 
 @dataclasses.dataclass
@@ -233,21 +242,28 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
 class ElasticCoordinator:
     """This rank's torchft Manager and the cycles of :mod:`this module <.elastic>`.
 
-    ``replica``: --diloco-replica-id; ``rank``/``world_size``: this rank in its job;
-    ``store``: (address, port) of the job's TCPStore (torchrun's MASTER_ADDR/PORT: the
+    ``replica``: --diloco-replica-id; ``rank``: this rank in its job; ``lane``/``lanes``:
+    the lane it hosts (:mod:`.lanes`; None: none) of --diloco-outer-ranks; ``control``: a
+    gloo group over the job; ``store``: (address, port) of the job's TCPStore (torchrun's MASTER_ADDR/PORT: the
     address other replicas reach it by); ``device``: where the group's collectives run;
     ``heal_state()``: what a live replica sends one that heals (tensors served by reference
     until the cycle commits, so they must not change before :meth:`commit`); ``log``: one
     line (rank 0 of the job prints); ``torchft_log``: the log filter of torchft's Rust side
     (RUST_LOG syntax, :attr:`loco_megatron.cli.LaunchEnv.torchft_log`)."""
 
-    def __init__(self, lighthouse: str, replica: int, expected: int, min_replicas: int, rank: int, world_size: int,
-                 store: tuple[str, int], device: torch.device, quorum_timeout_s: float, exchange_timeout_s: float,
-                 log: Callable[[str], None], torchft_log: str = "error"):
+    def __init__(self, lighthouse: str, replica: int, expected: int, min_replicas: int, rank: int,
+                 lane: Optional[int], lanes: int, store: tuple[str, int], control, device: torch.device,
+                 quorum_timeout_s: float, exchange_timeout_s: float, log: Callable[[str], None],
+                 torchft_log: str = "error"):
         self.lighthouse, self.replica, self.min_replicas = lighthouse, replica, min_replicas
         self.expected = expected
         """--diloco-replicas: the replicas the run expects (the channels' first layout)."""
-        self.rank, self.world_size, self.store, self.device = rank, world_size, store, device
+        self.rank, self.store, self.device = rank, store, device
+        self.lane, self.lanes = lane, lanes
+        """The lane this rank hosts (None: none; it then runs no Manager) and --diloco-outer-ranks."""
+        self.control = control
+        """A gloo group over this job's ranks: rank 0 (lane 0's host) tells the others what
+        each cycle decided (they take part in no quorum themselves)."""
         self.quorum_timeout = datetime.timedelta(seconds=quorum_timeout_s)
         self.exchange_timeout = datetime.timedelta(seconds=exchange_timeout_s)
         self.log, self.torchft_log = log, torchft_log
@@ -294,7 +310,7 @@ class ElasticCoordinator:
             pg=self.pg, load_state_dict=self._take, state_dict=lambda: self.heal_state(),
             min_replica_size=self.min_replicas, use_async_quorum=False, init_sync=False,
             replica_id=f"replica{self.replica}", lighthouse_addr=self.lighthouse,
-            store_addr=self.store[0], store_port=self.store[1], rank=self.rank, world_size=self.world_size,
+            store_addr=self.store[0], store_port=self.store[1], rank=self.lane, world_size=self.lanes,
             timeout=self.exchange_timeout, quorum_timeout=self.quorum_timeout,
             connect_timeout=datetime.timedelta(seconds=30),
             # The heal travels over the quorum's own group: no port of its own to open between sites.
@@ -305,8 +321,28 @@ class ElasticCoordinator:
 
     # -- one cycle -------------------------------------------------------------------------
     def open(self, mine: Fingerprint, outer_steps: int) -> Cycle:
-        """Collective over the quorum: ``start_quorum`` (healing this replica if it is
-        behind), then the fingerprint all-gather (see the module docstring)."""
+        """Collective over the quorum (lane hosts) and this job (every rank): ``start_quorum``
+        (healing this replica if it is behind), the fingerprint all-gather, then rank 0's
+        view of the cycle to every rank of the job (see the module docstring)."""
+        cycle = self._open_lane(mine, outer_steps) if self.lane is not None else None
+        # (every lane's quorum is the replica's: torchft forms one per replica group)
+        shared = [None if cycle is None else
+                  (dataclasses.replace(cycle, healed=None), None if cycle.healed is None else
+                   {k: v for k, v in cycle.healed.items() if not isinstance(v, dict)})]
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(shared, src=0, group=self.control)
+        head, progress = shared[0]
+        if progress is not None and self.lane is not None and (cycle is None or cycle.healed is None):
+            raise RuntimeError("DiLoCo: lane 0 healed and this lane did not (torchft healed the replica's ranks apart)")
+        healed = None if progress is None else (cycle.healed if self.lane is not None else dict(progress))
+        cycle = dataclasses.replace(head, healed=healed)
+        if not cycle.refused:
+            self._say_membership(cycle)
+        self.cycle = cycle
+        return cycle
+
+    def _open_lane(self, mine: Fingerprint, outer_steps: int) -> Cycle:
         if self.manager is None:
             self.start()
         m = self.manager
@@ -329,9 +365,6 @@ class ElasticCoordinator:
         iteration = max(p.iteration for p in live)
         cycle = Cycle(world, rank, participants, exchanging, iteration, self._healed)
         cycle.refused, cycle.refused_ranks = self._refusal(cycle)
-        if not cycle.refused:  # (a refusal has its own line; the refused never count as live)
-            self._say_membership(cycle)
-        self.cycle = cycle
         return cycle
 
     @staticmethod
@@ -348,10 +381,14 @@ class ElasticCoordinator:
             return ps[i].iteration, not ps[i].joining, ps[i].cycles, -ps[i].replica, -i
 
         ref = max(range(len(ps)), key=advanced)
-        refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config}
+        refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config or p.lanes != ps[ref].lanes}
         if refused:
-            bad = ps[min(refused)].replica
-            return (f"--diloco-replica-id {bad}: its model shape, layout or outer settings differ from the run's "
+            bad = ps[min(refused)]
+            if bad.lanes != ps[ref].lanes:
+                return (f"--diloco-replica-id {bad.replica}: --diloco-outer-ranks {bad.lanes} differs from the run's "
+                        f"{ps[ref].lanes} (replica {ps[ref].replica}'s; every replica must exchange over as many "
+                        f"ranks)", refused)
+            return (f"--diloco-replica-id {bad.replica}: its model shape or outer settings differ from the run's "
                     f"(replica {ps[ref].replica}'s)", refused)
         ids: dict[int, list[int]] = {}
         for i, p in enumerate(ps):
@@ -379,13 +416,23 @@ class ElasticCoordinator:
 
     def discard(self, reason: Exception) -> None:
         """This cycle must not commit (reported to torchft: its should_commit is False)."""
-        self.manager.report_error(reason)
+        if self.manager is not None:
+            self.manager.report_error(reason)
+
+    def errored(self):
+        """What failed in the open cycle (torchft's), None when nothing or off the hosts."""
+        return self.manager.errored() if self.manager is not None else None
 
     def commit(self) -> bool:
-        """Close the open cycle: True when it commits (every rank of this replica saw no
-        failure and enough replicas took part); the same on every rank of the replica."""
+        """Close the open cycle: True when it commits (every lane of this replica saw no
+        failure and enough replicas took part); the same on every rank of the replica
+        (torchft's should_commit agrees over the lanes; rank 0 tells the others)."""
+        import torch.distributed as dist
+
         cycle, self.cycle = self.cycle, None
-        ok = bool(self.manager.should_commit())
+        flag = [bool(self.manager.should_commit()) if self.manager is not None else None]
+        dist.broadcast_object_list(flag, src=0, group=self.control)
+        ok = bool(flag[0])
         if ok and cycle is not None and cycle.exchanging:
             self.committed += 1
             mine = next((p for p in cycle.participants if p.replica == self.replica), None)

@@ -100,7 +100,8 @@ class ElasticOuterStep(OuterStep):
         self._train_s, self._interval_steps = 0.0, 0
         return Fingerprint(self.replica, self.config_hash, t, joining,
                            samples=self.share.samples if self.share is not None else 0,
-                           speed=round(self.speed * 1000), weight=round(self.split.weight * 1000))
+                           speed=round(self.speed * 1000), weight=round(self.split.weight * 1000),
+                           lanes=self.coordinator.lanes, granule=self.split.granule)
 
     def _reweigh(self, cycle: Cycle) -> None:
         """The factor of this replica's outer gradient in this cycle (the mean over the
@@ -109,7 +110,12 @@ class ElasticOuterStep(OuterStep):
         contributors = {p.replica: p.samples for p in cycle.participants if not p.healed}
         self.outer_scale = batch_split.mean_factors(contributors).get(self.replica, 1.0)
         members = [p.member() for p in cycle.participants]
-        shares = batch_split.next_split(self.split.mode, members, self.split.global_batch, self.split.granule)
+        try:
+            shares = batch_split.next_split(self.split.mode, members, self.split.global_batch)
+        except ValueError as e:  # (every replica computes the same: all of them end with this line)
+            error = ConfigError(f"--diloco-batch-split {self.split.mode}: {e}")
+            error.agreed = True
+            raise error from None
         if shares is None:
             return
         self.share = shares[self.replica]
@@ -126,48 +132,101 @@ class ElasticOuterStep(OuterStep):
 
     # -- what a live replica sends one that heals ---------------------------------------------
     def heal_state(self) -> dict:
-        """Per rank (rank k of every replica holds the same shards): the agreed parameters
-        and the momentum (by reference: they change only after the cycle commits), the outer
-        step count, the iteration and the LR schedule's position."""
+        """Per lane host (lane j of every replica holds the same elements, whatever the
+        layouts): the lane's agreed parameters and momentum (by reference: they change only
+        after the cycle commits), the outer step count, the iteration and the LR schedule's
+        position."""
         return {**self._progress(), "outer_steps": self.outer_steps,
                 "agreed": self.agreed, "momentum": self.momentum if self.mu else None}
 
     def _heal(self, cycle: Cycle) -> None:
+        """Take a live replica's state: on lane hosts the agreed parameters and momentum of
+        the lane (sent by the same lane's host there), on every rank the progress; then
+        every rank's shards take the agreed parameters (a scatter over the replica)."""
         state = cycle.healed
-        mine = {k: a.numel() for k, a in self.agreed.items()}
-        theirs = {k: a.numel() for k, a in state["agreed"].items()}
-        if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
-            raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's shards "
-                             f"({theirs} there, {mine} here)")
-        for key, a in self.agreed.items():
-            a.copy_(state["agreed"][key])
-            if self.momentum[key] is not None:
-                if state["momentum"] is None:
-                    self.momentum[key].zero_()
-                else:
-                    self.momentum[key].copy_(state["momentum"][key])
+        if self.coordinator.lane is not None:
+            mine = {k: a.numel() for k, a in self.agreed.items()}
+            theirs = {k: a.numel() for k, a in state["agreed"].items()}
+            if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
+                raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's lanes "
+                                 f"({theirs} there, {mine} here)")
+            for key, a in self.agreed.items():
+                a.copy_(state["agreed"][key])
+                if self.momentum[key] is not None:
+                    if state["momentum"] is None:
+                        self.momentum[key].zero_()
+                    else:
+                        self.momentum[key].copy_(state["momentum"][key])
         dropped = len(self.pending)
         self.pending, self._snapshots = {}, {}
         had_errors = any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
         for _, channel, _, _ in self.channels.values():
             channel.reset()
         self.outer_steps = int(state["outer_steps"])
-
-        def take(sub: int) -> None:  # local <- agreed, bit for bit, on every rank of the replica
-            for key, (views, _, s, _) in self.channels.items():
-                if s == sub:
-                    views.take(self.agreed[key], 0.0)
-
-        self._run_step(take)
+        self._take_all(self.agreed)  # local <- agreed, bit for bit, on every rank of the replica
         source = max(cycle.participants, key=lambda p: (p.iteration, not p.joining, -p.replica)).replica
         nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
         self._log(f"DiLoCo: healed from replica {source} over torchft's transport: the agreed parameters and outer "
-                  f"momentum ({nbytes / 2**20:.2f} MiB on rank 0), iteration {state['iteration']} and the LR "
+                  f"momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {state['iteration']} and the LR "
                   f"schedule's position")
         if had_errors or dropped:
             self._log(f"DiLoCo: the outer error buffers start at zero"
                       + (f" and the {dropped} outer exchange(s) in flight are dropped" if dropped else ""))
         self._take_progress(state)
+
+    def _take_all(self, tensors: dict) -> None:
+        """Every rank's shards <- ``tensors`` (per channel, this rank's lane), then a megatron
+        optimizer step with nothing to step, which copies the main parameters into the model
+        and all-gathers them in the replica. The scatter runs before that step, not inside
+        it: a rank whose sub-optimizer holds no parameters (a stub) never enters the step's
+        update, and the scatter is a collective over all of the replica's ranks."""
+        for key, (views, _, _, _) in self.channels.items():
+            views.take(tensors[key], 0.0)
+        self._run_step(lambda sub: None)
+
+    def _agree_initial(self, cycle: Cycle) -> None:
+        """The start of a run (every participant at iteration 0, none trained): replicas of
+        other layouts initialise their weights differently (megatron seeds each TP rank's
+        slice of its own), so they all take the lowest replica id's agreed parameters (a sum
+        over the lane in which the others put zeros: exact), and their shards with them."""
+        first = min(p.replica for p in cycle.participants)
+        if self.coordinator.lane is not None:
+            for a in self.agreed.values():
+                if self.replica != first:
+                    a.zero_()
+                if a.numel():
+                    self.coordinator.ops.all_reduce(a)
+        self._take_all(self.agreed)
+
+    def lane_blocks(self, key: str) -> list[tuple]:
+        """For a checkpoint in model space: ``(model key, global shape, origin, shape, offset
+        in the lane)`` of every block channel ``key``'s lane holds, in lane order (none off
+        the hosts)."""
+        from loco_megatron.checkpoint.dist_optimizer import _blocks
+
+        mover = self.channels[key][0].mover
+        if mover.lane is None:
+            return []
+        space, (lo, hi) = mover.space, mover.space.lane(mover.lane)
+        out = []
+        for k in space.keys:
+            size = 1
+            for n in space.shapes[k]:
+                size *= n
+            a, b = max(lo - space.base[k], 0), min(hi - space.base[k], size)
+            for origin, shape, flat in (_blocks(space.shapes[k], a, b) if a < b else ()):
+                out.append((k, space.shapes[k], origin, shape, space.base[k] + flat - lo))
+        return out
+
+    def _agree_on_loaded(self) -> None:
+        """Outer state afresh from the loaded model (the lanes read from the shards; a
+        replica behind the others is healed at its first cycle anyway)."""
+        for key, (views, channel, _, _) in self.channels.items():
+            views.read(self.agreed[key])
+            if self.momentum[key] is not None:
+                self.momentum[key].zero_()
+            channel.reset()
+        self.pending = {}
 
     # -- the cycles ----------------------------------------------------------------------------
     def join(self, t: int) -> None:
@@ -241,6 +300,8 @@ class ElasticOuterStep(OuterStep):
         self._follow(cycle)
         self._reweigh(cycle)
         if not cycle.exchanging:
+            if cycle.world > 1 and all(p.iteration == 0 and p.joining for p in cycle.participants):
+                self._agree_initial(cycle)
             self.coordinator.commit()
             return cycle
         keys = self._keys(self.schedule.starts(cycle.iteration))
@@ -285,18 +346,15 @@ class ElasticOuterStep(OuterStep):
             self._settled_mean_work(key)
         committed = self.coordinator.commit()
         if committed:
-            def update(sub: int) -> None:
-                for key in keys:
-                    if self.channels[key][2] == sub:
-                        self._apply(key)
-
-            self._run_step(update)
+            for key in keys:  # (the scatter of each before megatron's step: see _take_all)
+                self._apply(key)
+            self._run_step(lambda sub: None)
             self.outer_steps += 1
         else:
             for key in keys:
                 self.pending.pop(key, None)
                 self.channels[key][1].load_state_dict(self._snapshots[key])
-            why = self.coordinator.manager.errored()
+            why = self.coordinator.errored()
             reason = brief(why.original_exception) if why else "fewer live replicas than --diloco-min-replicas"
             self._log(f"DiLoCo: the outer step was discarded ({reason}); the replicas train on and the next one "
                       f"goes on")
@@ -350,9 +408,12 @@ class ElasticOuterStep(OuterStep):
                 delta.mul_(scale)
             channel.mean_over = max(cycle.contributors, 1)
             work = channel.start(delta)
-            work.wait()
-            self._record(work)
-            results[key] = (torch.where(work.finite, delta, torch.zeros((), device=delta.device)), errors)
+            if isinstance(work, OuterWork):
+                work.wait()
+                self._record(work)
+                results[key] = (torch.where(work.finite, delta, torch.zeros((), device=delta.device)), errors)
+            else:  # (no lane here: nothing to exchange)
+                results[key] = (work, errors)
         committed = self.coordinator.commit()
         for key, (mean, errors) in results.items():
             self.channels[key][1].load_state_dict(errors)  # a resume finds them as before
@@ -361,12 +422,37 @@ class ElasticOuterStep(OuterStep):
                 nesterov_step(self.final[key], momentum, mean, self.lr, self.mu)
         return {"exchanged": self._fragments(list(results)) if committed else [], "in_flight": len(in_flight)}
 
+    def take_final(self) -> None:
+        """Every replica takes :attr:`final` (see :meth:`OuterStep.take_final`), scattered
+        from the lanes."""
+        assert self.final is not None, "finish() first"
+        self._take_all(self.final)
+
     # -- checkpointing ---------------------------------------------------------------------------
     def common_state(self) -> dict:
         return {**super().common_state(), "elastic": self.coordinator.state_dict()}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
-        super().load_state_dict(sd)
+        """As :meth:`OuterStep.load_state_dict`, decided alike on every rank of the job: a
+        rank hosting no lane loads nothing (a checkpoint may give it no outer state at all),
+        so whether the lanes start afresh (a collective over the replica) is the lane hosts'
+        verdict, and the outer-step count is rank 0's."""
+        import torch.distributed as dist
+
+        host = self.coordinator.lane is not None
+        fits = not host or (sd is not None and set(sd["agreed"]) == set(self.channels)
+                            and all(sd["agreed"][k].numel() == a.numel() for k, a in self.agreed.items()))
+        verdict = torch.tensor([int(fits)])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.coordinator.control)
+        if not verdict.item():
+            self._agree_on_loaded()
+            self._log("DiLoCo: the checkpoint's outer state does not fit this run's lanes; the outer step starts "
+                      "afresh from this replica's loaded parameters (a replica behind the others heals from them)")
+        elif sd is not None:
+            super().load_state_dict(sd)
+        count = [self.outer_steps]
+        dist.broadcast_object_list(count, src=0, group=self.coordinator.control)
+        self.outer_steps = int(count[0])
         self.coordinator.load_state_dict((sd or {}).get("elastic"))
 
 

@@ -32,6 +32,10 @@ def check_replicas(config: Config, world_size: int, ranks_per_node: Optional[int
     r = config.diloco.replicas_in_world
     if not r:
         return
+    lanes = config.diloco.diloco_outer_ranks
+    if config.diloco.elastic and lanes is not None and lanes > world_size:
+        raise ConfigError(f"--diloco-outer-ranks: {lanes} is more than this replica job's {world_size} ranks (every "
+                          f"replica needs a rank for each; use the smallest replica's world size)")
     if world_size % r:
         raise ConfigError(f"--diloco-replicas: {r} does not divide the world size {world_size}")
     dp = config.data_parallel_size(world_size)

@@ -34,6 +34,7 @@ class ShardViews:
 
     def __init__(self, views: list[torch.Tensor], slices: Optional[list[tuple]] = None):
         self.views, self.slices = views, slices
+        self.device = views[0].device if views else torch.device("cpu")
         self.offsets = []
         at = 0
         for v in views:
@@ -86,7 +87,7 @@ class OuterStep:
         self.lr, self.mu, self.alpha = lr, momentum, alpha
         self._run_step, self._record, self._log = run_step, record, log
         self._every_step = every_step
-        self.agreed = {key: torch.empty(views.numel, dtype=torch.float32, device=views.views[0].device)
+        self.agreed = {key: torch.empty(views.numel, dtype=torch.float32, device=views.device)
                        for key, (views, *_rest) in channels.items()}
         for key, (views, *_rest) in channels.items():
             views.read(self.agreed[key])  # every replica starts from the same (seeded) weights

@@ -157,8 +157,10 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
     # Elastic DiLoCo: this job trains its replica's share of each step's global batch (fixed:
     # replica r of R, as in a one-world run; other splits are agreed at the first outer step).
+    # (until then the whole batch: what a replica left alone at the start trains)
+    fixed = coordinator is not None and config.diloco.diloco_batch_split == "fixed"
     share = fixed_share(config.diloco.diloco_replica_id, config.diloco.diloco_replicas, d.global_batch_size) \
-        if coordinator is not None else Share(0, d.global_batch_size)
+        if fixed else Share(0, d.global_batch_size)
     batches = MicroBatchIterator(train_ds, d.global_batch_size, d.micro_batch_size, layout.dp_rank, layout.dp_size,
                                  share=(share.offset, share.samples))
     # Several replicas: each one's guard only records its verdict, which the replicas
@@ -186,9 +188,16 @@ def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, 
     if env.store_at is None:
         raise ConfigError("--diloco-lighthouse: start each replica with torchrun (its Manager needs the job's "
                           "store: MASTER_ADDR and MASTER_PORT)")
+    from loco_megatron.diloco.lanes import hosts
+
+    lanes = d.diloco_outer_ranks or layout.world_size
+    placed = hosts(layout.world_size, lanes)
+    # (gloo: the cycle's decisions are small objects, whatever the job's own backend)
+    control = torch.distributed.new_group(backend="gloo")
     return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas, d.diloco_min_replicas,
-                              layout.rank, layout.world_size, env.store_at, device, d.diloco_quorum_timeout_s,
-                              d.diloco_exchange_timeout_s, say_fn(layout.is_logging_rank), env.torchft_log)
+                              layout.rank, placed.index(layout.rank) if layout.rank in placed else None, lanes,
+                              env.store_at, control, device, d.diloco_quorum_timeout_s, d.diloco_exchange_timeout_s,
+                              say_fn(layout.is_logging_rank), env.torchft_log)
 
 
 def bind_heal(run: Run) -> None:
