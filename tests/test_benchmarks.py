@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_launch
 
 
 def test_loco_bucket_smoke():
@@ -34,6 +34,43 @@ def _run(args, timeout=600, **kw):
     proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc
+
+
+def _main_on_fork_server(script: str, args: list, monkeypatch, capsys) -> str:
+    """``python benchmarks/SCRIPT ARGS`` in this process (the file run as ``__main__`` with
+    that argv and its folder first on sys.path, as the interpreter runs it), the torchruns
+    it starts going to the suite's fork server (conftest.run_launch: torchrun's own CLI,
+    its workers forked from an interpreter that has imported torch and megatron-core, so
+    a tiny run does not spend most of its time importing) with the same command line,
+    environment and output; every other command as before. Returns what it printed."""
+    import runpy
+
+    real, routing = subprocess.run, []
+
+    def run(cmd, *a, **kw):
+        cmd = [str(c) for c in cmd]
+        if routing or a or cmd[1:3] != ["-m", "torch.distributed.run"]:  # (run_launch's own fallback too)
+            return real(cmd, *a, **kw)
+        routing.append(cmd)
+        try:
+            proc = run_launch(cmd, kw.get("env") or dict(os.environ), kw.get("timeout") or 600)
+        finally:
+            routing.pop()
+        sink = kw.get("stdout")
+        if hasattr(sink, "write"):  # a log file (stderr=STDOUT)
+            sink.write(proc.stdout + proc.stderr)
+            proc.stdout = proc.stderr = None
+        return proc
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / script), *args])
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(REPO / "benchmarks" / script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), (capsys.readouterr().out[-3000:], e.code)
+    return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton", "cpu"])
@@ -103,10 +140,12 @@ def test_kernels_mechanisms_and_speed_dtype(monkeypatch, capsys):
     assert speed.pick_dtype("bf16", probe=slow_bf16.__getitem__)[0] == "bf16"
 
 
-def test_quality_smoke(tmp_path, cache_dir):
+def test_quality_smoke(tmp_path, cache_dir, monkeypatch, capsys):
     """Guards against the loss-parity study breaking: it trains both variants and writes
-    the table (with the reference's zero gap) and the plot."""
-    _run(["benchmarks/quality.py", "--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir])
+    the table (with the reference's zero gap) and the plot. (Its torchruns on the suite's
+    fork server: _main_on_fork_server.)"""
+    _main_on_fork_server("quality.py", ["--smoke", "--out", str(tmp_path), "--data-cache-path", cache_dir],
+                         monkeypatch, capsys)
     table = (tmp_path / "quality.md").read_text()
     assert "| full precision (fp32 reduce-scatter) |" in table and "+0.00%" in table
     assert "| LoCo 4-bit |" in table
@@ -267,17 +306,20 @@ def test_report_fast_section_updates_its_headlines_once(tmp_path, monkeypatch):
     assert "keep me" in text and text.endswith("- end\n")
 
 
-def test_checkpoint_smoke(cache_dir):
+def test_checkpoint_smoke(cache_dir, monkeypatch, capsys):
     """Guards against the checkpoint benchmark breaking, and against checkpoints that miss
     the optimizer: every format holds at least fp32 weights + two Adam moments (12 bytes
     per parameter); against the memory table losing its per-rank rows; and against the
     distributed optimizer's state being copied for a synchronous save. Asserts on
-    sizes, never on the printed times or resident-set figures."""
-    out = _run(["benchmarks/checkpoint.py", "--smoke", "--data-cache-path", cache_dir]).stdout.splitlines()
+    sizes, never on the printed times or resident-set figures. (Its torchruns on the
+    suite's fork server: _main_on_fork_server.)"""
+    out = _main_on_fork_server("checkpoint.py", ["--smoke", "--data-cache-path", cache_dir], monkeypatch,
+                               capsys).splitlines()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
     assert [r[1] for r in rows] == ["torch", "torch_dist async"]
     assert all(float(r[8]) >= 12 for r in rows), rows
-    out = _run(["benchmarks/checkpoint.py", "--smoke", "--memory", "--data-cache-path", cache_dir]).stdout.splitlines()
+    out = _main_on_fork_server("checkpoint.py", ["--smoke", "--memory", "--data-cache-path", cache_dir], monkeypatch,
+                               capsys).splitlines()
     memory = [[c.strip() for c in line.split("|")[1:-1]] for line in out if line.startswith("| tiny")]
     # One row per rank, its own optimizer shard beside the measured peaks (figures, no threshold).
     assert [(r[1], r[2]) for r in memory] == [("DP2", "0"), ("DP2", "1")], memory

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, torchrun_command, train_losses
+from conftest import REPO, TINY, read_metrics, run_launch, torchrun_command, train_losses
 from test_checkpoint import _Weights  # the stand-in model
 
 WORKER = REPO / "tests" / "ckpt_fault_worker.py"
@@ -25,16 +25,6 @@ def _launch(args: list[str], nproc: int = 2, **popen) -> subprocess.Popen:
     # Own session: on a hang the test kills the whole tree instead of blocking.
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
-
-
-def _communicate(proc: subprocess.Popen, timeout: int) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"hung (killed after {timeout}s):\n{out[-3000:]}")
-    return out
 
 
 def _descendants(pid: int) -> set[int]:
@@ -128,7 +118,13 @@ def test_checkpoint_failure_ends_every_rank_with_one_line(nproc, scenarios, tmp_
     after staging failed elsewhere (staging_async) staying in megatron's results queue,
     where the same processes' next write (async_all, later) took it for its own: rank 0's
     failure went unseen. All scenarios run one after another in one launch per world size."""
-    out = _communicate(_launch([str(WORKER), ",".join(scenarios), str(tmp_path)], nproc), timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
+           ",".join(scenarios), str(tmp_path)]
+    try:  # on the suite's fork server: the ranks run to their end, nothing signals them
+        proc = run_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), 600)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hung (killed after 600s)")
+    out = proc.stdout + proc.stderr
     assert "Traceback" not in out, out[-3000:]
     for scenario in scenarios:
         errors = _per_rank(out, f"ERROR[{scenario}]")
@@ -269,12 +265,15 @@ def test_interrupted_resave_recovers_at_start(tmp_path, one_rank):
 
 
 def _train(args: list[str], cache: str, tmp_path: pathlib.Path, name: str) -> tuple[int, str, list[dict]]:
+    """A training launch that runs to its end untouched: on the suite's fork server
+    (conftest.run_launch; a hang past the timeout kills the launch and fails the test)."""
     metrics = tmp_path / f"{name}.jsonl"
     cmd, env = torchrun_command(2, args, cache, metrics)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out = _communicate(proc, timeout=600)
-    return proc.returncode, out, read_metrics(metrics)
+    try:
+        proc = run_launch(cmd, env, 600)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hung (killed after 600s)")
+    return proc.returncode, proc.stdout + proc.stderr, read_metrics(metrics)
 
 
 def test_abort_finishes_the_in_flight_async_save(cache_dir, tmp_path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics, torchrun, torchrun_command, train_losses
+from conftest import REPO, TINY, read_metrics, run_launch, torchrun, torchrun_command, train_losses
 
 
 def _start(args, cache, metrics, env_extra=None, launcher_args=()):
@@ -22,10 +22,14 @@ def _start(args, cache, metrics, env_extra=None, launcher_args=()):
                             text=True, start_new_session=True)
 
 
-def _run(args, cache, tmp_path, name, env_extra=None, launcher_args=()):
-    proc = _start(args, cache, tmp_path / f"{name}.jsonl", env_extra, launcher_args)
-    out, _ = proc.communicate(timeout=600)
-    return proc.returncode, out, read_metrics(tmp_path / f"{name}.jsonl")
+def _run(args, cache, tmp_path, name):
+    """A launch that runs to its end untouched (no signal, no process read): on the suite's
+    fork server (conftest.run_launch), which spares the ranks' imports; (exit code, stdout
+    and stderr, metrics)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd, env = torchrun_command(2, args, cache, metrics)
+    proc = run_launch(cmd, env, 600)
+    return proc.returncode, proc.stdout + proc.stderr, read_metrics(metrics)
 
 
 def _wait_for_iteration(metrics: pathlib.Path, proc, iteration: int) -> None:

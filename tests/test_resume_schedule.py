@@ -2,14 +2,11 @@
 (or are refused in favour of the checkpoint's) as documented in loco_megatron.training.schedule,
 with one line naming what differs."""
 
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 
-from conftest import REPO, read_metrics
+from conftest import read_metrics, run_launch, torchrun_command
 
 FIRST = ["--lr", "0.00258", "--min-lr", "0.0001", "--train-iters", "4", "--lr-warmup-iters", "1"]
 
@@ -106,13 +103,13 @@ def test_both_flags_and_a_mix_that_is_no_schedule_are_one_line_errors():
 
 
 def _pretrain(args, cache, tmp_path, name):
+    """A one-rank run of pretrain_gpt.py under torchrun on the suite's fork server
+    (conftest.run_launch: no fresh import of torch and megatron-core per run)."""
     metrics = tmp_path / f"{name}.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    cmd = [sys.executable, str(REPO / "pretrain_gpt.py"), "--num-layers", "2", "--hidden-size", "64",
-           "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-           "--eval-interval", "0", "--log-interval", "1", *args, "--data-cache-path", cache,
-           "--metrics-jsonl", str(metrics)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd, env = torchrun_command(1, ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                    "--eval-interval", "0", "--log-interval", "1", *args], cache, metrics)
+    proc = run_launch(cmd, env, 600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lrs = {m["iteration"]: m["train/lr"] for m in read_metrics(metrics) if "train/lr" in m}
     return proc.stdout, lrs
