@@ -18,6 +18,7 @@ error feedback) ``outer_lr.md`` holds
 
     python benchmarks/outer_lr.py --out results/outer_lr --replicas 2,4 --inner-steps 16,32,64 \\
         --lrs 0.2,0.3,0.4 --seeds 1234,1235,1236 --variants dl4
+    python benchmarks/outer_lr.py --out results/outer_lr ... --report-only   # tables from the runs done so far
     python benchmarks/outer_lr.py --smoke --out /tmp/olr    # seconds-scale check of the plumbing
 """
 
@@ -56,6 +57,19 @@ def _spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4f}"
     return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _finished(path: pathlib.Path, iters: int) -> float | None:
+    """The final eval loss of a run that reached ``iters`` (None: missing or cut short)."""
+    import compare_runs
+
+    try:
+        run = compare_runs.load_run(str(path)) if path.exists() else None
+    except (SystemExit, ValueError):
+        return None
+    if run is None or not run.evals or run.evals[-1]["iteration"] != iters:
+        return None
+    return run.evals[-1]["eval/lm_loss"]
 
 
 def best_lr(cell: dict[str, dict[int, float]]) -> str:
@@ -135,6 +149,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 32 steps, one cell, two LRs, two seeds")
+    ap.add_argument("--report-only", action="store_true",
+                    help="no runs: the tables from the finished runs in --out (a seed counts in a cell where it "
+                         "finished at every LR the cell ran)")
     args = ap.parse_args()
     model = ["--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4", "--log-interval", "10",
              *quality.SMALL_MODEL]
@@ -162,12 +179,26 @@ def main() -> None:
                 for v in variants:
                     for lr in lrs:
                         name = f"{v}-h{h}-r{r}-lr{lr}_seed{seed}"
+                        if args.report_only:
+                            final = _finished(out / "runs" / f"{name}.jsonl", args.iters)
+                            if final is not None:
+                                finals[v].setdefault((r, h), {}).setdefault(lr, {})[seed] = final
+                            continue
                         print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
                         flags = [f.format(ranks=r) for f in quality.VARIANTS[f"{v}-h{h}"][1]]
                         run = quality.run(out, name, [*model, *flags, "--diloco-outer-lr", lr, "--train-iters",
                                                       str(args.iters), "--seed", str(seed)], args.timeout, r,
                                           reuse=True)
                         finals[v].setdefault((r, h), {}).setdefault(lr, {})[seed] = run.evals[-1]["eval/lm_loss"]
+    if args.report_only:  # (a seed counts in a cell only where it finished at every LR of the cell)
+        for cells in finals.values():
+            for key, cell in list(cells.items()):
+                common = set.intersection(*(set(per_seed) for per_seed in cell.values()))
+                cells[key] = {lr: {s: x for s, x in per_seed.items() if s in common} for lr, per_seed in cell.items()}
+                if not common or len(cell) < 2:  # (a cell needs two LRs to compare)
+                    del cells[key]
+        if not any(finals.values()):
+            sys.exit(f"error: --report-only: no cell of {out / 'runs'} finished at every LR")
     lines = [f"# DiLoCo outer learning rate across H and replicas: {args.iters} steps, replicas of one rank, "
              f"seeds {', '.join(map(str, seeds))}", ""]
     for v in variants:

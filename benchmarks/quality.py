@@ -22,7 +22,7 @@ compares DiLoCo's outer exchanges against ``fp32`` (every step, the DDP referenc
 outer gradients in the form ``F`` (:data:`OUTER_FORMS`): none = error feedback with beta
 0.8 (int8 errors), ``c`` classic error feedback (beta 0), ``n`` none, ``g`` gain-corrected
 scales without error feedback, ``gc`` gain-corrected with classic error feedback; for
-H = 16, 32 and 64 (outer Nesterov momentum 0.9, lr 0.7 unless swept; the ``diloco`` section
+H = 16, 32 and 64 (outer Nesterov momentum 0.9, the default outer lr unless swept; the ``diloco`` section
 runs H = 16 and 32; ``outer_lr.py`` sweeps the outer LR across H and the replica count). ``--outer-lrs`` runs
 every DiLoCo variant at each of several outer LRs and writes ``outer_lr.md``: the sweep,
 and each variant at its own tuned LR against fp32 outer at its tuned LR, as paired

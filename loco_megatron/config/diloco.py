@@ -21,9 +21,10 @@ class DiLoCoConfig:
     --diloco-inner-steps steps, in the outer step."""
     diloco_inner_steps: int = 32
     """H: inner optimizer steps between two outer steps of the same fragment."""
-    diloco_outer_lr: float = 0.7
+    diloco_outer_lr: Optional[float] = None
     """Outer learning rate: agreed <- agreed - lr * (Nesterov) update of the mean outer
-    gradient (agreed - local parameters)."""
+    gradient (agreed - local parameters). Default: 0.4 at --diloco-inner-steps 16 or
+    fewer, else 0.55 (the best LR of the sweep in docs/benchmarks.md grows with H)."""
     diloco_outer_momentum: float = 0.9
     """Outer Nesterov momentum (0: plain averaging at --diloco-outer-lr 1)."""
     diloco_outer_bits: int = choice(4, (0, 8, 4, 2))
@@ -131,6 +132,8 @@ class DiLoCoConfig:
             self.diloco_mixing_factor = 0.5 if self.diloco_sync_delay > 0 else 0.0
         # 2 bits: gain-corrected scales with classic error feedback measured best (the
         # moving average's damping costs more at 2 bits than the shrinkage it smooths).
+        if self.diloco_outer_lr is None:
+            self.diloco_outer_lr = default_outer_lr(self.diloco_inner_steps)
         if self.diloco_outer_beta is None:
             self.diloco_outer_beta = 0.0 if self.diloco_outer_bits == 2 else 0.8
         if self.diloco_outer_gain_correction is None:
@@ -167,3 +170,10 @@ class DiLoCoConfig:
     def replicas_in_world(self) -> int:
         """Replicas inside this torchrun world: all of them, or (elastic) this job's one."""
         return 1 if self.elastic else self.diloco_replicas
+
+
+def default_outer_lr(inner_steps: int) -> float:
+    """--diloco-outer-lr's default for H = ``inner_steps``: what the outer-LR sweep
+    (benchmarks/outer_lr.py, docs/benchmarks.md) measured best, 0.4 at H <= 16 and 0.55
+    from H = 32 on (replicas 2 and 4 alike)."""
+    return 0.4 if inner_steps <= 16 else 0.55

@@ -9,6 +9,8 @@ Runs that differ in any of these are never averaged together (wandb groups by it
 
 from __future__ import annotations
 
+from loco_megatron.config.diloco import default_outer_lr
+
 __all__ = ["describe", "variant"]
 
 
@@ -61,7 +63,8 @@ def variant(config: dict) -> str:
     if pbits:
         label += f" + params {pbits}-bit"
     label += _describe_diloco(config)
-    if config.get("diloco_replicas") and (config.get("diloco_outer_lr", 0.7), config.get("diloco_outer_momentum", 0.9)) \
-            != (0.7, 0.9):
+    default = default_outer_lr(config.get("diloco_inner_steps", 32))
+    if config.get("diloco_replicas") and (config.get("diloco_outer_lr", default), config.get("diloco_outer_momentum", 0.9)) \
+            != (default, 0.9):
         label += f" (lr {config.get('diloco_outer_lr')}, momentum {config.get('diloco_outer_momentum')})"
     return f"{label} | {'bf16' if config.get('bf16') else 'fp32'}"
