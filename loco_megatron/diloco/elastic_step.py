@@ -199,24 +199,10 @@ class ElasticOuterStep(OuterStep):
         self._take_all(self.agreed)
 
     def lane_blocks(self, key: str) -> list[tuple]:
-        """For a checkpoint in model space: ``(model key, global shape, origin, shape, offset
-        in the lane)`` of every block channel ``key``'s lane holds, in lane order (none off
-        the hosts)."""
-        from loco_megatron.checkpoint.dist_optimizer import _blocks
-
+        """For a checkpoint in model space: channel ``key``'s lane as blocks
+        (:meth:`.lanes.Space.lane_blocks`; none off the hosts)."""
         mover = self.channels[key][0].mover
-        if mover.lane is None:
-            return []
-        space, (lo, hi) = mover.space, mover.space.lane(mover.lane)
-        out = []
-        for k in space.keys:
-            size = 1
-            for n in space.shapes[k]:
-                size *= n
-            a, b = max(lo - space.base[k], 0), min(hi - space.base[k], size)
-            for origin, shape, flat in (_blocks(space.shapes[k], a, b) if a < b else ()):
-                out.append((k, space.shapes[k], origin, shape, space.base[k] + flat - lo))
-        return out
+        return mover.space.lane_blocks(mover.lane) if mover.lane is not None else []
 
     def _agree_on_loaded(self) -> None:
         """Outer state afresh from the loaded model (the lanes read from the shards; a

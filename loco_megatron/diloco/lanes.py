@@ -133,6 +133,19 @@ class Space:
         a, b = max(lo - base, 0), min(hi - base, size)
         return list(blocks(self.shapes[key], a, b)) if a < b else []
 
+    def lane_blocks(self, j: int) -> list[tuple]:
+        """``(key, global shape, origin, shape, offset in the lane)`` of every block lane ``j``
+        holds, in lane order (each block a contiguous run of the lane)."""
+        from loco_megatron.checkpoint.dist_optimizer import _blocks
+
+        lo, hi = self.lane(j)
+        out = []
+        for k in self.keys:
+            a, b = max(lo - self.base[k], 0), min(hi - self.base[k], math.prod(self.shapes[k]))
+            for origin, shape, flat in (_blocks(self.shapes[k], a, b) if a < b else ()):
+                out.append((k, self.shapes[k], origin, shape, self.base[k] + flat - lo))
+        return out
+
     def lane_view(self, buf: torch.Tensor, j: int, key: str, box: tuple[tuple, tuple]) -> torch.Tensor:
         """The elements of ``box`` (of ``key``) in ``buf``, lane ``j``'s flat buffer."""
         strides = row_major(self.shapes[key])
