@@ -244,12 +244,13 @@ class ElasticCoordinator:
 
     ``replica``: --diloco-replica-id; ``rank``: this rank in its job; ``lane``/``lanes``:
     the lane it hosts (:mod:`.lanes`; None: none) of --diloco-outer-ranks; ``control``: a
-    gloo group over the job; ``store``: (address, port) of the job's TCPStore (torchrun's MASTER_ADDR/PORT: the
-    address other replicas reach it by); ``device``: where the group's collectives run;
-    ``heal_state()``: what a live replica sends one that heals (tensors served by reference
-    until the cycle commits, so they must not change before :meth:`commit`); ``log``: one
-    line (rank 0 of the job prints); ``torchft_log``: the log filter of torchft's Rust side
-    (RUST_LOG syntax, :attr:`loco_megatron.cli.LaunchEnv.torchft_log`)."""
+    gloo group over the job; ``store``: (address, port) of the job's TCPStore (torchrun's
+    MASTER_ADDR/PORT: the address other replicas reach it by); ``device``: where the group's
+    collectives run; ``heal_state()``: what a live replica sends one that heals (tensors
+    served by reference until the cycle commits, so they must not change before
+    :meth:`commit`); ``log``: one line (rank 0 of the job prints); ``torchft_log``: the log
+    filter of torchft's Rust side (RUST_LOG syntax,
+    :attr:`loco_megatron.cli.LaunchEnv.torchft_log`)."""
 
     def __init__(self, lighthouse: str, replica: int, expected: int, min_replicas: int, rank: int,
                  lane: Optional[int], lanes: int, store: tuple[str, int], control, device: torch.device,
