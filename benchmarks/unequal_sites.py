@@ -175,7 +175,7 @@ def main() -> None:
                 tokens = args.global_batch_size * iters
                 figures.setdefault(variant, {})[seed] = {
                     "fast": fast, "slow": slow, "samples_per_s": tokens / max(fast["train_s"], slow["train_s"]),
-                    "split": result["split"][-1] if result["split"] else "replica 0 and 1: half each (fixed)"}
+                    "split": result["split"][-1] if result["split"] else "half each: the fixed split"}
     finally:
         half.remove()
     ref = {s: f["fast"]["final_loss"] for s, f in figures["equal"].items()}
