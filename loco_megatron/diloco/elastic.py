@@ -48,6 +48,7 @@ import urllib.request
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.batch_split import Member
@@ -330,8 +331,6 @@ class ElasticCoordinator:
         shared = [None if cycle is None else
                   (dataclasses.replace(cycle, healed=None), None if cycle.healed is None else
                    {k: v for k, v in cycle.healed.items() if not isinstance(v, dict)})]
-        import torch.distributed as dist
-
         dist.broadcast_object_list(shared, src=0, group=self.control)
         head, progress = shared[0]
         if progress is not None and self.lane is not None and (cycle is None or cycle.healed is None):
@@ -428,8 +427,6 @@ class ElasticCoordinator:
         """Close the open cycle: True when it commits (every lane of this replica saw no
         failure and enough replicas took part); the same on every rank of the replica
         (torchft's should_commit agrees over the lanes; rank 0 tells the others)."""
-        import torch.distributed as dist
-
         cycle, self.cycle = self.cycle, None
         flag = [bool(self.manager.should_commit()) if self.manager is not None else None]
         dist.broadcast_object_list(flag, src=0, group=self.control)

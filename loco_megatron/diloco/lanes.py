@@ -216,8 +216,9 @@ class LaneMover:
         self.world = world
 
     @staticmethod
-    def _count(items) -> int:
-        return sum(math.prod(x[1][1]) if isinstance(x, tuple) else x.numel() for x in items)
+    def _count(pieces: list[tuple[str, tuple]]) -> int:
+        """Elements of ``(key, box)`` pieces."""
+        return sum(math.prod(box[1]) for _, box in pieces)
 
     def _exchange(self, send_parts: list[list[torch.Tensor]], recv_counts: list[int]) -> torch.Tensor:
         sizes = [sum(p.numel() for p in parts) for parts in send_parts]

@@ -53,7 +53,7 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     d, lc = config.diloco, config.loco
     if not d.enabled:
         return None
-    from loco_megatron.loco.hooks.diloco import main_shards, run_in_optimizer_step, scale_replica_gradients
+    from loco_megatron.loco.hooks.diloco import run_in_optimizer_step, scale_replica_gradients
 
     scale_replica_gradients(chunks, d.replicas_in_world)
     names = {id(p): name for chunk in chunks for name, p in chunk.module.named_parameters()}
