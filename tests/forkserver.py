@@ -8,19 +8,25 @@ elastic agent, rendezvous and failure reports, but workers forked from an interp
 has already imported everything instead of fresh ``python -u script.py`` processes.
 
 Fork safety: this process starts no thread (imports only; nothing of torch runs), so each
-child holds a consistent copy. Environment read at import time is this process's:
+child holds a consistent copy. The workers are forked by torchrun's agent after its store
+started threads, which a plain torchrun never does: a worker that dies of a memory fault
+prints its Python stack (faulthandler, inherited) and ``conftest.torchrun`` reruns a launch
+that saved nothing as a plain torchrun, with a warning. Environment read at import time is this process's:
 conftest starts it with the launches' fixed values (``OMP_NUM_THREADS=1``, the same
 ``TRITON_INTERPRET``) and runs a launch with other values, or with launcher flags beyond
 ``--standalone --nproc_per_node``, as a plain torchrun instead.
 
 Protocol (one launch per connection on a Unix socket, one JSON line each way): request
-``{"argv", "script", "env", "cwd", "stdout", "stderr"}``; replies ``{"pid": P}`` when the
-child is forked (a timeout kills its process group) and ``{"status": S}`` when it exits
-(``S`` as ``subprocess`` reports it: the exit code, or minus the signal).
+``{"argv", "script", "env", "cwd", "stdout", "stderr"}`` (stdout and stderr may name one
+file); replies ``{"pid": P}`` when the child is forked (its own process group: a timeout or
+a test's kill ends the agent and its workers together) and ``{"status": S}`` when it exits
+(``S`` as ``subprocess`` reports it: the exit code, or minus the signal). Launches run side
+by side (elastic replicas): each has a waiter process of its own, forked from this one.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import json
 import os
@@ -53,9 +59,12 @@ def _preload() -> None:
 def _child(req: dict) -> int:
     """The forked launch: torchrun's CLI on the request's argv, output to its files."""
     os.setpgid(0, 0)  # the client's timeout kills the agent and its workers together
-    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
+    out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # One file for both (a job's log): one descriptor, so neither stream overwrites the other.
+    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for f in {out, err}:
         os.close(f)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -81,44 +90,65 @@ def _child(req: dict) -> int:
     return 0
 
 
+def _launch(conn: socket.socket, req: dict) -> None:
+    """In a process of its own (one per launch, so that launches run side by side): fork the
+    launch, reply its pid, wait for it, reply its status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        code = 1
+        try:
+            code = _child(req)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    try:
+        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+    except OSError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall((json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+    except OSError:
+        pass
+
+
 def serve(path: str) -> None:
     parent = os.getppid()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path + ".tmp")
     os.replace(path + ".tmp", path)  # the client waits for the path: it appears ready
-    sock.listen(4)
-    sock.settimeout(5.0)
+    sock.listen(16)
+    sock.settimeout(1.0)
     while os.getppid() == parent:  # the test session ended: so does this server
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:  # reap the launches' waiters that are done
+                pass
+        except ChildProcessError:
+            pass
         try:
             conn, _ = sock.accept()
         except socket.timeout:
             continue
         with conn:
+            conn.settimeout(None)
             req = json.loads(conn.makefile("r").readline())
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
+            if os.fork() == 0:  # the waiter: forks the launch and reports on this connection
                 sock.close()
-                conn.close()
-                code = 1
                 try:
-                    code = _child(req)
+                    _launch(conn, req)
                 finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            try:
-                conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
-            except OSError:
-                pass
-            _, status = os.waitpid(pid, 0)
-            try:
-                conn.sendall((json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
-            except OSError:
-                pass
+                    os._exit(0)
 
 
 if __name__ == "__main__":
+    # A crash in a forked worker (a signal, not an exception) prints its Python stack to the
+    # launch's stderr file: the handler and fd 2 are inherited by every child.
+    faulthandler.enable()
     _preload()
     serve(sys.argv[1])

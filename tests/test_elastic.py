@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, program, read_metrics, run_launch, torchrun_command, train_losses
+from conftest import TINY, program, read_metrics, run_launch, start_launch, torchrun_command, train_losses
 
 H = 4
 TIMEOUTS = ["--diloco-quorum-timeout-s", "120", "--diloco-exchange-timeout-s", "20"]
@@ -64,9 +64,9 @@ class Run:
                                      script="tests/elastic_check.py")
         # (RUST_LOG as a user has it: unset, unless the test's own environment sets it)
         base.update(LOCO_TEST_DUMP_DIR=str(self.tmp / "dump"), **(env or {}))
-        log = open(self.tmp / f"{name}.log", "w")
-        self.jobs[name] = subprocess.Popen(cmd, cwd=REPO, env=base, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+        # On the suite's fork server (conftest.start_launch): a replica starts without
+        # importing torch and megatron-core again, and runs side by side with the others.
+        self.jobs[name] = start_launch(cmd, base, str(self.tmp / f"{name}.log"))
         return self.jobs[name]
 
     def hold(self, *iterations: int) -> dict:

@@ -69,6 +69,33 @@ FAILED_MARK = "loco_build_failed"
 reason: later runs do not start it again for the same sources (:func:`build_failure`)."""
 
 
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+"""What the AVX-512 copy needs (loco_cpu.cpp's ``isa_level`` checks the same at run time)."""
+
+
+@functools.lru_cache(maxsize=None)
+def max_isa() -> int:
+    """The highest instruction-set copy to compile: 1 (no AVX-512 copy) on an x86-64 Linux
+    machine whose /proc/cpuinfo lacks any of :data:`AVX512_FLAGS`, else 2 (every copy; on
+    other systems the CPU is not asked). The AVX-512 unit is a third of the build and never
+    runs on such a CPU."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), None)
+    except OSError:
+        return 2
+    return 2 if flags is None or all(f in flags for f in AVX512_FLAGS) else 1
+
+
+def units() -> list[pathlib.Path]:
+    """The :data:`SOURCES` compiled on this machine (:func:`max_isa`)."""
+    return [f for f in SOURCES if max_isa() >= 2 or f.name != "isa_avx512.cpp"]
+
+
+def cflags() -> list[str]:
+    """:data:`CFLAGS` and the highest copy compiled in (``LOCO_MAX_ISA``, csrc/kernels.h)."""
+    return [*CFLAGS, f"-DLOCO_MAX_ISA={max_isa()}"]
+
+
 def _checkout_key() -> str:
     """16 hex digits of the sha256 of every source and header, the compiler flags and this
     checkout's path (torch's ``build.ninja`` names the sources by path, so another checkout
@@ -76,7 +103,7 @@ def _checkout_key() -> str:
     h = hashlib.sha256(str(CSRC).encode())
     for f in (*SOURCES, *HEADERS):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     return h.hexdigest()[:16]
 
 
@@ -136,7 +163,7 @@ def _build_with_torch(verbose: bool = False, background: bool = False):
 
     folder = build_directory()
     with build_lock(folder, background, folder / "build.log" if background else None):
-        module = cpp_extension.load(name=NAME, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+        module = cpp_extension.load(name=NAME, sources=[str(f) for f in units()], extra_cflags=cflags(),
                                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
         (folder / BUILT_MARK).touch()
         (folder / FAILED_MARK).unlink(missing_ok=True)

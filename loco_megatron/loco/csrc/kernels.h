@@ -36,6 +36,14 @@ constexpr int kMaxBlock = 8192;        // per-thread block buffers live on the s
 
 #define LOCO_INLINE inline __attribute__((always_inline))
 
+// The highest instruction-set copy compiled in (2 AVX-512, 1 AVX2+FMA, 0 baseline):
+// cpu_kernels.py leaves out isa_avx512.cpp, and passes -DLOCO_MAX_ISA=1, on a build machine
+// without AVX-512 (its slowest unit, never run there; the build folder's name differs by
+// this flag, so a shared extensions folder holds one build per kind of CPU).
+#ifndef LOCO_MAX_ISA
+#define LOCO_MAX_ISA 2
+#endif
+
 // Function-level target attributes (no -march): the .so runs on any x86-64 CPU and the
 // dispatch (loco_cpu.cpp's pick_isa) never calls a copy the CPU lacks. A declaration
 // carries the same attributes as its definition: in C++, GCC would read a differing

@@ -43,7 +43,7 @@ int isa_level() {
                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
                                ? 2
                                : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
-  return level;
+  return std::min(level, LOCO_MAX_ISA);
 }
 #else  // other architectures: the baseline copy only
 int isa_level() { return 0; }
@@ -57,8 +57,11 @@ void run_all(const CompressArgs& a, int64_t nb, bool scales_only) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b0 = c * kChunkBlocks, b1 = std::min(nb, b0 + kChunkBlocks);
       double* part = a.partials + 3 * c;
+#if LOCO_MAX_ISA >= 2
       if (isa == 2) run_chunk_avx512<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
-      else if (isa == 1) run_chunk_avx2<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
+      else
+#endif
+      if (isa == 1) run_chunk_avx2<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
       else run_chunk_base<T, HAS_ERR, BITS, SK>(a, b0, b1, part, scales_only);
     }
   });
@@ -196,8 +199,11 @@ template <typename OUT, int BITS>
 void decomp_all(const DecompArgs& a, int64_t nb) {
   const int isa = a.isa;
   at::parallel_for(0, nb, kChunkBlocks, [&](int64_t b0, int64_t b1) {
+#if LOCO_MAX_ISA >= 2
     if (isa == 2) decomp_avx512<OUT, BITS>(a, b0, b1);
-    else if (isa == 1) decomp_avx2<OUT, BITS>(a, b0, b1);
+    else
+#endif
+    if (isa == 1) decomp_avx2<OUT, BITS>(a, b0, b1);
     else decomp_base<OUT, BITS>(a, b0, b1);
   });
 }

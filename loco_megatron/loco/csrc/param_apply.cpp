@@ -21,8 +21,11 @@ void apply_all(const ApplyArgs& a, int64_t b0, int64_t b1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = b0 + c * kChunkBlocks, hi = std::min(b1, lo + kChunkBlocks);
       double* part = a.partials + 2 * c;
+#if LOCO_MAX_ISA >= 2
       if (isa == 2) apply_avx512<T, BITS, OWN>(a, lo, hi, part);
-      else if (isa == 1) apply_avx2<T, BITS, OWN>(a, lo, hi, part);
+      else
+#endif
+      if (isa == 1) apply_avx2<T, BITS, OWN>(a, lo, hi, part);
       else apply_base<T, BITS, OWN>(a, lo, hi, part);
     }
   });
