@@ -54,13 +54,13 @@ is reused at load time)."""
 
 
 NAME = "loco_cpu_kernels"
-BUILD_NOTE = ("building LoCo's C++ CPU kernels (first use only, ~3 min on 2 cores; cached in torch's "
+BUILD_NOTE = ("building LoCo's C++ CPU kernels (first use only, ~1.5-2.5 min on 2 cores; cached in torch's "
               "extensions folder)")
-"""The line printed before a build in the foreground (``--loco-kernels cpu``). Measured with a fresh
-TORCH_EXTENSIONS_DIR, under ``nice -n 19`` on 2 cores shared with other work (load average 3-17), in five
-units that ninja compiles in parallel: 16 min 3 s wall, 10 min 16 s of CPU (c++ user seconds per unit:
-isa_avx2 174, isa_avx512 170, isa_base 168, loco_cpu 75, param_apply 24). On idle cores the wall time is
-about the CPU time over the cores (the largest unit is 28% of it): about 2.5-3.5 min on 2 cores."""
+"""The line printed before a build in the foreground (``--loco-kernels cpu``). Measured from an empty
+TORCH_EXTENSIONS_DIR on 2 idle cores (no AVX-512): 1 min 32 s wall, 2 min 45 s of CPU for the four units
+built there; with the AVX-512 unit as well (a CPU that has it): 2 min 18 s wall, 4 min 4 s of CPU. The
+three instruction-set units are most of it; on cores shared with other work the wall time grows with
+the load."""
 BUILT_MARK = "loco_built"
 """Written into the build folder once the module has been built and loaded: a ``.so`` that
 ninja is still linking is never taken for a finished build."""
