@@ -106,7 +106,8 @@ def torchrun_command(nproc: int, args: list[str], cache: str, metrics: pathlib.P
 
 FIXED_ENV = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
 """Environment the fork server's imports read (tests/forkserver.py): a launch with other
-values runs as a plain torchrun."""
+values, or with a PYTHONPATH other than the checkout (the server's ``sys.path``), runs as
+a plain process."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,8 +136,14 @@ def _forkable(cmd: list[str], env: dict) -> bool:
     """Whether ``cmd`` is a :func:`torchrun_command` of the plain ``--standalone
     --nproc_per_node`` form whose environment matches the fork server's imports."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return (len(cmd) > 5 and cmd[:4] == head and cmd[4].startswith("--nproc_per_node=") and cmd[5].endswith(".py")
-            and all(env.get(k, "") == v for k, v in FIXED_ENV.items()))
+    return ((_script(cmd) is not None or len(cmd) > 5 and cmd[:4] == head and cmd[4].startswith("--nproc_per_node=")
+             and cmd[5].endswith(".py")) and all(env.get(k, "") == v for k, v in FIXED_ENV.items())
+            and env.get("PYTHONPATH", "") in ("", str(REPO)))
+
+
+def _script(cmd: list[str]) -> str | None:
+    """The script of a ``[sys.executable, "script.py", args...]`` command, else None."""
+    return cmd[1] if len(cmd) > 1 and cmd[0] == sys.executable and cmd[1].endswith(".py") else None
 
 
 class Launch:
@@ -145,12 +152,16 @@ class Launch:
     with ``os.killpg(pid, ...)``); ``poll()``, ``wait(timeout)`` and ``returncode`` as Popen's
     (the status comes from the server, the agent's parent)."""
 
-    def __init__(self, path: str, cmd: list[str], env: dict, stdout: str, stderr: str):
+    def __init__(self, path: str, cmd: list[str], env: dict, stdout: str, stderr: str, cwd: str | None = None):
         self.args, self.returncode = cmd, None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        request = {"argv": ["--run-path", "--start-method", "fork", *cmd[3:]], "script": cmd[5], "env": env,
-                   "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
+        script = _script(cmd)
+        request = {"env": env, "cwd": str(cwd or REPO), "stdout": stdout, "stderr": stderr}
+        if script is None:
+            request.update(argv=["--run-path", "--start-method", "fork", *cmd[3:]], script=cmd[5])
+        else:  # `python script.py args...`: the script itself, in the forked child
+            request.update(argv=cmd[2:], script=str(pathlib.Path(cwd or REPO) / script), python=True)
         self._sock.sendall((json.dumps(request) + "\n").encode())
         self._pending = bytearray()  # the replies, one JSON line each
         self.pid = self._reply(60)["pid"]
@@ -195,18 +206,22 @@ def start_launch(cmd: list[str], env: dict, log: str) -> subprocess.Popen | Laun
     return Launch(path, cmd, env, log, log)
 
 
-def run_launch(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=...)``
-    for a :func:`torchrun_command` ``cmd``; one of plain ``--standalone --nproc_per_node``
-    form runs on the fork server (the same torchrun CLI, its workers forked from an
-    interpreter that has imported torch and megatron-core; the result has ``forked = True``),
-    any other as a process."""
+def run_launch(cmd: list[str], env: dict | None, timeout: float, cwd=REPO) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=...)``
+    for a :func:`torchrun_command` ``cmd`` or a ``[sys.executable, "script.py", ...]`` one; one of
+    plain ``--standalone --nproc_per_node`` form, or a script, runs on the fork server (the
+    same torchrun CLI, its workers forked from an interpreter that has imported torch and
+    megatron-core; or the script in such a fork; the result has ``forked = True``), any other
+    as a process. ``env`` None: this process's, with the fork server's fixed values and the
+    checkout on PYTHONPATH."""
+    if env is None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), **FIXED_ENV)
     path = fork_server() if _forkable(cmd, env) else None
     if path is None:
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as out:
         files = {"stdout": os.path.join(out, "stdout"), "stderr": os.path.join(out, "stderr")}
-        job = Launch(path, cmd, env, **files)
+        job = Launch(path, cmd, env, **files, cwd=cwd)
         try:
             status = job.wait(timeout)
         except subprocess.TimeoutExpired as err:

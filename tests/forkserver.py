@@ -18,7 +18,7 @@ conftest starts it with the launches' fixed values (``OMP_NUM_THREADS=1``, the s
 
 Protocol (one launch per connection on a Unix socket, one JSON line each way): request
 ``{"argv", "script", "env", "cwd", "stdout", "stderr"}`` (stdout and stderr may name one
-file); replies ``{"pid": P}`` when the child is forked (its own process group: a timeout or
+file; ``"python": true`` runs the script itself with ``argv``, not torchrun); replies ``{"pid": P}`` when the child is forked (its own process group: a timeout or
 a test's kill ends the agent and its workers together) and ``{"status": S}`` when it exits
 (``S`` as ``subprocess`` reports it: the exit code, or minus the signal). Launches run side
 by side (elastic replicas): each has a waiter process of its own, forked from this one.
@@ -30,34 +30,38 @@ import faulthandler
 import io
 import json
 import os
+import runpy
 import socket
 import sys
 import traceback
 
 
 def _preload() -> None:
-    """What every launch's ranks import (see pretrain_gpt.py and loco_megatron.training)."""
+    """What every launch's ranks import (see pretrain_gpt.py and loco_megatron.training); the
+    imports' warnings are silenced, and the interpreter's default filters kept for the
+    launches (ResourceWarning and DeprecationWarning ignored, as in a plain process)."""
     import warnings
 
-    warnings.filterwarnings("ignore")
-    import torch  # noqa: F401
-    import torch.distributed.run  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-    import megatron.core.datasets.gpt_dataset  # noqa: F401
-    import megatron.core.tokenizers.text  # noqa: F401  (transformers: ~4 s of each rank's start)
-    import sentencepiece  # noqa: F401
-    import loco_megatron.cli  # noqa: F401
-    import loco_megatron.training.trainer  # noqa: F401
-    warnings.resetwarnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch  # noqa: F401
+        import torch.distributed.run  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+        import megatron.core.datasets.gpt_dataset  # noqa: F401
+        import megatron.core.tokenizers.text  # noqa: F401  (transformers: ~4 s of each rank's start)
+        import sentencepiece  # noqa: F401
+        import loco_megatron.cli  # noqa: F401
+        import loco_megatron.training.trainer  # noqa: F401
 
 
 def _child(req: dict) -> int:
-    """The forked launch: torchrun's CLI on the request's argv, output to its files."""
+    """The forked launch: torchrun's CLI on the request's argv (or, with ``python``, the
+    script itself, as ``python script argv...`` runs it), output to its files."""
     os.setpgid(0, 0)  # the client's timeout kills the agent and its workers together
     out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     # One file for both (a job's log): one descriptor, so neither stream overwrites the other.
@@ -81,10 +85,17 @@ def _child(req: dict) -> int:
     from torch.distributed import run
 
     try:
-        run.main(req["argv"])
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    except BaseException:  # as the torchrun command reports a failed job: traceback, exit 1
+        if req.get("python"):  # `python script.py argv...`
+            sys.argv = [req["script"], *req["argv"]]
+            runpy.run_path(req["script"], run_name="__main__")
+        else:
+            run.main(req["argv"])
+    except SystemExit as e:  # as the interpreter exits: None is 0, a message goes to stderr with 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # as python (and the torchrun command) reports a failure: traceback, exit 1
         traceback.print_exc()
         return 1
     return 0

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, finished_run, torchrun, torchrun_runs, train_losses
+from conftest import REPO, TINY, finished_run, torchrun, run_launch, torchrun_runs, train_losses
 from loco_megatron.config import Config, ConfigError, DiLoCoConfig
 from loco_megatron.diloco.layout import check_replicas
 
@@ -153,8 +153,7 @@ def test_bad_replica_layouts_are_one_line(argv, line):
     """Guards against a replica count the world cannot hold starting anyway (megatron-core
     asserts deep inside its parallel state) or ending in a traceback: the dry run, which
     makes a real start's checks, prints one line naming the flag and exits 2."""
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--dry-run", "--world-size", "4"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_launch([sys.executable, "pretrain_gpt.py", *argv, "--dry-run", "--world-size", "4"], None, 300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and line in lines[0], proc.stderr

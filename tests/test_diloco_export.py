@@ -3,13 +3,12 @@ generation), every replica holding it bit for bit; one replica's own on request.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, torchrun
+from conftest import TINY, run_launch, torchrun
 
 ARGS = TINY + ["--train-iters", "6", "--diloco-replicas", "2", "--diloco-inner-steps", "4", "--diloco-outer-bits", "4",
                "--save-interval", "5", "--swiglu"]
@@ -33,8 +32,7 @@ def _export(run: dict, name: str, *extra: str) -> dict:
     from safetensors.torch import load_file
 
     out = run["root"] / name
-    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--out", str(out), *extra], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_launch([sys.executable, "tools/export_hf.py", "--out", str(out), *extra], None, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "model.safetensors")), proc.stdout
 
@@ -80,8 +78,8 @@ def test_bad_replica_is_one_line(run):
     something else silently (or a traceback): one line naming the replicas it holds, exit
     2, nothing written."""
     out = run["root"] / "hf_bad"
-    proc = subprocess.run([sys.executable, "tools/export_hf.py", "--load", str(run["root"] / "ck"), "--out", str(out),
-                           "--replica", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_launch([sys.executable, "tools/export_hf.py", "--load", str(run["root"] / "ck"), "--out", str(out),
+                       "--replica", "2"], None, 600)
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.strip().splitlines() == [
         f"export_hf.py: error: --replica: 2 is not a replica of {run['root'] / 'ck' / 'iter_0000006'} "

@@ -10,7 +10,6 @@ import pathlib
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest

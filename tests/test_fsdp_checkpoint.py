@@ -2,14 +2,12 @@
 same-layout resume (of an --async-save) bit-exact with LoCo's error buffers, resume at another layout resharded
 with the per-rank state reset in one line, the flag refused without --use-megatron-fsdp."""
 
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, TINY, torchrun, train_losses
+from conftest import REPO, TINY, run_launch, torchrun, train_losses
 
 HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1",
                "--train-iters", "4", "--loco-bits", "4", "--ckpt-format", "fsdp_dtensor"]
@@ -85,8 +83,7 @@ def test_fsdp_dtensor_without_megatron_fsdp_is_one_line_exit_2(tmp_path):
     --use-megatron-fsdp pointing to fsdp_dtensor: tests/test_fsdp.py's refused combinations.)"""
     argv = ["--ckpt-format", "fsdp_dtensor", "--save", str(tmp_path / "ck")]
     needle = "--ckpt-format: fsdp_dtensor is Megatron-FSDP's format and needs --use-megatron-fsdp"
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, *argv], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    proc = run_launch([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, *argv], None, 120)
     lines = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "ck").exists()

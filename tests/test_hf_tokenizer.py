@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, torchrun
+from conftest import REPO, TINY, run_launch, torchrun
 
 TEXTS = ["def f(x):\n    return x + 1\n", " leading space", "héllo 世界 🙂", "</s> is eos, <s> bos", "",
          "a\n\n\tb  "]
@@ -20,8 +20,7 @@ TEXTS = ["def f(x):\n    return x + 1\n", " leading space", "héllo 世界 🙂"
 def _run(*args, env_extra=None) -> tuple[int, list[str], str]:
     """(exit code, non-progress stderr lines, stdout) of a tool run from the repository root."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env_extra or {})}
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_launch([sys.executable, *map(str, args)], env, 300)  # on the fork server
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "doc/s" not in ln and "examples/s" not in ln]
     return proc.returncode, lines, proc.stdout
 

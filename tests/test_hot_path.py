@@ -1,11 +1,10 @@
 """No host-device synchronisation in LoCo's gradient-sync and parameter-gather hot paths."""
 
 import re
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY, torchrun
+from conftest import TINY, run_launch, torchrun
 
 
 @pytest.mark.parametrize("bits,kernels", [("4", "triton"), ("2", "triton"), ("2", "torch")])
@@ -33,7 +32,7 @@ def test_sync_check_runs_every_configuration():
     """Guards against benchmarks/sync_check.py (gpu_check.sh's sync-debug step) breaking
     unseen on CPU: its one-bucket hot path (compress, reduce-scatter, decompress, parameter
     gather encode and apply) runs for the torch kernels at 4 and 2 bits and says ok for each."""
-    proc = subprocess.run([sys.executable, "benchmarks/sync_check.py", "--kernels", "torch", "--bits", "4,2",
-                           "--numel", "3000"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_launch([sys.executable, "benchmarks/sync_check.py", "--kernels", "torch", "--bits", "4,2",
+                       "--numel", "3000"], None, 300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count(": ok") == 2 and "bits=2" in proc.stdout

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, torchrun, train_losses
+from conftest import REPO, TINY, run_launch, torchrun, train_losses
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -82,8 +82,7 @@ def test_mixtral_folds_experts_on_its_32_gpus_and_impossible_layouts_give_one_li
     assert "64" in _dry_run("--config", mixtral, "--expert-tensor-parallel-size", "2", world=64).stdout
     line = _error_line(_dry_run("--tensor-model-parallel-size", "2", world=3))
     assert "--tensor-model-parallel-size" in line and "world size 3" in line
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--world-size", "4"], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    proc = run_launch([sys.executable, str(REPO / "pretrain_gpt.py"), "--world-size", "4"], None, 120)
     assert "--world-size: only with --dry-run" in _error_line(proc)  # a real start's world is torchrun's
 
 

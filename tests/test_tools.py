@@ -2,24 +2,21 @@
 
 import json
 import re
-import subprocess
 import sys
 
-from conftest import REPO
+from conftest import run_launch
 
 
 def test_train_tokenizer_then_preprocess(tmp_path):
     """Guards against the tools writing files pretrain_gpt.py then refuses or misreads."""
     src = tmp_path / "docs.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n" * 5}) for i in range(60)))
-    tok = subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(src),
-                          "--output-prefix", str(tmp_path / "tok"), "--vocab-size", "300"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    tok = run_launch([sys.executable, "tools/train_tokenizer.py", "--input", str(src),
+                      "--output-prefix", str(tmp_path / "tok"), "--vocab-size", "300"], None, 120)
     assert tok.returncode == 0, tok.stderr
-    pre = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(src),
-                          "--tokenizer-model", str(tmp_path / "tok.model"),
-                          "--output-prefix", str(tmp_path / "ds")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    pre = run_launch([sys.executable, "tools/preprocess_data.py", "--input", str(src),
+                      "--tokenizer-model", str(tmp_path / "tok.model"), "--output-prefix", str(tmp_path / "ds")],
+                     None, 120)
     assert pre.returncode == 0, pre.stderr
     from loco_megatron.data.indexed import check_indexed_dataset
     from loco_megatron.data.tokenizer import load_tokenizer
@@ -28,9 +25,9 @@ def test_train_tokenizer_then_preprocess(tmp_path):
                           str(tmp_path / "tok.model"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"content": "x"}\n')
-    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(bad),
-                           "--tokenizer-model", str(tmp_path / "tok.model"), "--output-prefix",
-                           str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_launch([sys.executable, "tools/preprocess_data.py", "--input", str(bad),
+                       "--tokenizer-model", str(tmp_path / "tok.model"), "--output-prefix", str(tmp_path / "ds2")],
+                      None, 120)
     assert proc.returncode != 0 and "bad.jsonl:1" in proc.stderr
     assert not (tmp_path / "ds2.bin").exists()
 
@@ -48,7 +45,7 @@ def test_bad_inputs_give_one_line_and_no_partial_files(tmp_path):
     out = tmp_path / "out"
 
     def run(*args):
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_launch([sys.executable, *args], None, 120)
         lines = [line for line in proc.stderr.splitlines() if line.strip() and "doc/s" not in line]
         return proc.returncode, lines
 
@@ -108,16 +105,14 @@ def test_preprocess_workers_and_compressed_inputs(tmp_path):
     (tmp_path / "c.txt").write_text("one text document\nof two lines\n\nand another\n")
     (tmp_path / "c_ref.jsonl").write_text(json.dumps({"text": "one text document\nof two lines\n"}) + "\n"
                                           + json.dumps({"text": "and another\n"}) + "\n")
-    tok = subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(tmp_path / "all.jsonl"),
-                          "--output-prefix", str(tmp_path / "tok"), "--vocab-size", "300"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    tok = run_launch([sys.executable, "tools/train_tokenizer.py", "--input", str(tmp_path / "all.jsonl"),
+                      "--output-prefix", str(tmp_path / "tok"), "--vocab-size", "300"], None, 120)
     assert tok.returncode == 0, tok.stderr
 
     def run(inputs, prefix, workers):
-        proc = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", *map(str, inputs),
-                               "--tokenizer-model", str(tmp_path / "tok.model"), "--output-prefix",
-                               str(tmp_path / prefix), "--workers", str(workers)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = run_launch([sys.executable, "tools/preprocess_data.py", "--input", *map(str, inputs),
+                           "--tokenizer-model", str(tmp_path / "tok.model"), "--output-prefix",
+                           str(tmp_path / prefix), "--workers", str(workers)], None, 300)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

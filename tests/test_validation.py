@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_launch
 
 
 def _run(args, tmp_path, env_extra=None, cache=None):
@@ -19,7 +19,7 @@ def _run(args, tmp_path, env_extra=None, cache=None):
            "--save", str(out / "ckpt"), "--metrics-jsonl", str(out / "m.jsonl")]
     if cache:
         cmd += ["--data-cache-path", cache]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, {**env, "OMP_NUM_THREADS": "1"}, 300, cwd=tmp_path)  # on the fork server
     return proc, out
 
 
