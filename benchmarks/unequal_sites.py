@@ -140,9 +140,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seeds", default="1234,1235")
-    ap.add_argument("--iters", type=int, default=192)
+    ap.add_argument("--iters", type=int, default=96)
     ap.add_argument("--inner-steps", type=int, default=16, help="H")
-    ap.add_argument("--global-batch-size", type=int, default=12)
+    ap.add_argument("--global-batch-size", type=int, default=48,
+                    help="samples per step; a share moves in whole micro batches (2), 1/24 of it here")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, 8 steps, H 4, one seed")
     args = ap.parse_args()

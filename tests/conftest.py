@@ -2,10 +2,12 @@
 
 Most multi-rank runs start on a fork server (``tests/forkserver.py``): torchrun's own CLI,
 with workers forked from an interpreter that has already imported torch and megatron-core,
-so a tiny run does not spend most of its time importing. ``LOCO_TEST_FORKSERVER=0`` runs
-every launch as a plain torchrun process; the tests that kill ranks, restart them or read
-their command lines always do (``tests/test_forkserver.py`` checks that both give the same
-losses, lines and errors).
+so a tiny run does not spend most of its time importing; so do the elastic replica jobs
+(:func:`start_launch`, side by side) and the tools' and dry runs' ``python script.py``
+processes (:func:`run_launch`). ``LOCO_TEST_FORKSERVER=0`` runs every launch as a plain
+process; the tests that stop ranks, restart them under torchrun or read their command
+lines always do (``tests/test_forkserver.py`` checks that both give the same losses, lines
+and errors).
 """
 
 from __future__ import annotations

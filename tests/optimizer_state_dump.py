@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint import dist_optimizer
+from loco_megatron.checkpoint import dist_optimizer, model_space
 from loco_megatron.cli import main_config
 from loco_megatron.training.trainer import train
 
@@ -52,7 +52,7 @@ def main(dump: pathlib.Path, argv: list) -> None:
     def sharded_state_dict(opt, model_sd, is_loading):
         sd = original_sd(opt, model_sd, is_loading)
         # Stacked layers share a key: the first part's global offset tells them apart.
-        keys.update({p: f"{sh.key}@{dist_optimizer._chunks(sh)[0][0].global_offset}"
+        keys.update({p: f"{sh.key}@{model_space.sharded_parts(sh)[0][0].global_offset}"
                      for p, sh in dist_optimizer._model_meta(model_sd).items()})
         if not is_loading:
             torch.save({"slices": _slices(opt, keys), "writer_bytes": _writer_bytes(sd),

@@ -3,6 +3,7 @@
 import os
 import pathlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,3 +74,49 @@ def test_a_launch_past_its_timeout_is_killed(cache_dir, tmp_path):
     proc = run_launch(cmd, env, 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert os.path.getsize(tmp_path / "m2.jsonl") > 0
+
+
+SCRIPT = """
+import os, sys, time
+print("out", sys.argv[1:], os.getcwd() == os.environ["WANT_CWD"], flush=True)
+print("err", file=sys.stderr)
+if sys.argv[1] == "wait":  # side by side: this one ends only once the other one has started
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(0 if os.path.exists(sys.argv[2]) else 9)
+if sys.argv[1] == "mark":
+    open(sys.argv[2], "w").close()
+    sys.exit(0)
+{"int": lambda: sys.exit(3), "message": lambda: sys.exit("a message"), "none": lambda: sys.exit(),
+ "raise": lambda: 1 / 0, "end": lambda: None}[sys.argv[1]]()
+"""
+
+
+def test_scripts_exit_and_print_like_a_plain_python_and_run_side_by_side(tmp_path):
+    """Guards against the fork server's ``python script.py`` launches differing from a plain
+    interpreter where tests look (exit status for ``sys.exit(3)``, ``sys.exit("message")``
+    with the message on stderr, ``sys.exit()``, an exception's traceback and status 1,
+    stdout, stderr, the working folder), and against launches that wait for each other
+    (one waiter per launch: a job that only ends once a later one has started)."""
+    from conftest import Launch, fork_server
+
+    if fork_server() is None:
+        pytest.skip("LOCO_TEST_FORKSERVER=0: no fork server to compare")
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANT_CWD=str(tmp_path))
+    for case in ("int", "message", "none", "raise", "end"):
+        cmd = [sys.executable, str(script), case]
+        forked = run_launch(cmd, env, 120, cwd=tmp_path)
+        plain = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert getattr(forked, "forked", False) and (forked.returncode, forked.stdout) == (plain.returncode, plain.stdout)
+        # (a traceback's last line names the error; the frames above it differ by design)
+        assert forked.stderr.strip().splitlines()[-1:] == plain.stderr.strip().splitlines()[-1:], (case, forked.stderr)
+    flag = tmp_path / "started"
+    first = Launch(fork_server(), [sys.executable, str(script), "wait", str(flag)], env,
+                   str(tmp_path / "a.log"), str(tmp_path / "a.log"), cwd=tmp_path)
+    second = Launch(fork_server(), [sys.executable, str(script), "mark", str(flag)], env,
+                    str(tmp_path / "b.log"), str(tmp_path / "b.log"), cwd=tmp_path)
+    assert second.wait(120) == 0 and first.wait(120) == 0, (tmp_path / "a.log").read_text()
+    assert (tmp_path / "a.log").read_text().splitlines() == ["out ['wait', '%s'] True" % flag, "err"]

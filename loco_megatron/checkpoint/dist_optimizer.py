@@ -19,7 +19,8 @@ them to host memory, from CUDA with pinned non-blocking copies, when the write i
 and forks the writer from that snapshot), so a save adds no device memory at all and the
 host holds at most the one staged copy the background write needs. Loading asks for the
 blocks of the new layout's slices and DCP reads them from whichever saved chunks overlap,
-which is what makes any DP/TP/PP/EP change bit-exact.
+which is what makes any DP/TP/PP/EP change bit-exact. The flat-range-to-blocks mapping is
+:mod:`.model_space`'s, shared with DiLoCo's outer lanes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import math
 from typing import Iterator
 
 import torch
+
+from loco_megatron.checkpoint.model_space import row_major_blocks, sharded_parts
 
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 
@@ -62,48 +65,6 @@ def own_state_bytes(opt) -> int:
     return sum((end - start) * 4 * len(_KEYS) for _, start, end in owned_slices(opt))
 
 
-def _blocks(shape: tuple, start: int, end: int, offset: tuple = ()) -> Iterator[tuple]:
-    """Rectangular blocks covering flat elements [start, end) of a row-major ``shape``:
-    (block offset, block shape, flat start), in flat order. At most 2 per axis."""
-    if start >= end:
-        return
-    if len(shape) <= 1:
-        yield offset + ((start,) if shape else ()), ((end - start,) if shape else ()), start
-        return
-    row = math.prod(shape[1:])
-    first, last = start // row, end // row
-    if start % row:  # the partial row at the front
-        stop = min(end, (first + 1) * row)
-        for off, shp, flat in _blocks(shape[1:], start - first * row, stop - first * row):
-            yield offset + (first,) + off, (1,) + shp, flat + first * row
-        start, first = stop, first + 1
-    if last > first:  # whole rows
-        yield offset + (first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:]), first * row
-        start = last * row
-    if start < end:  # the partial row at the back
-        for off, shp, flat in _blocks(shape[1:], 0, end - last * row):
-            yield offset + (last,) + off, (1,) + shp, flat + last * row
-
-
-def _chunks(sh) -> list:
-    """The model param's ShardedTensors with where each starts in the flattened local
-    param: ``[(sharded tensor, flat start)]``. A ShardedTensorFactory (SwiGLU's fused fc1
-    under TP) is built on a meta tensor to learn its parts without touching data."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    if not isinstance(sh, ShardedTensorFactory):
-        return [(sh, 0)]
-    parts = []
-    for part in nested_values(sh.build_fn(sh.key, torch.empty(sh.data.shape, device="meta"),
-                                          sh.replica_id, None)):
-        if not part.data.is_contiguous():
-            raise NotImplementedError(f"{sh.key}: a sharded-tensor factory splitting a param "
-                                      "into non-contiguous parts")
-        parts.append((part, part.data.storage_offset()))
-    return sorted(parts, key=lambda p: p[1])
-
-
 def _pieces(sh, start: int, end: int, replica: int = 0) -> Iterator[tuple]:
     """(ShardedTensor metadata, block shape, flat start) for elements [start, end) of the
     local param: blocks of the global tensor, offsets in global coordinates. ``replica``:
@@ -112,13 +73,13 @@ def _pieces(sh, start: int, end: int, replica: int = 0) -> Iterator[tuple]:
     alike by every replica and written by replica 0, passes the rank's replica."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    for part, base in _chunks(sh):
+    for part, base in sharded_parts(sh):
         lo, hi = max(start, base), min(end, base + math.prod(part.local_shape))
         p = part.prepend_axis_num
         # The DP coordinate of the model param's replica id says which DP rank would write
         # the (replicated) param; here every DP rank writes its own slice.
         rid = (*part.replica_id[:-1], replica) if isinstance(part.replica_id, tuple) else replica
-        for off, shape, flat in _blocks(tuple(part.local_shape), lo - base, hi - base):
+        for off, shape, flat in row_major_blocks(tuple(part.local_shape), lo - base, hi - base):
             meta = ShardedTensor(
                 part.key, None, torch.float32, (1,) * p + shape, part.global_shape,
                 part.global_offset[:p] + tuple(g + o for g, o in zip(part.global_offset[p:], off)),

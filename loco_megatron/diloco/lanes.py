@@ -1,7 +1,7 @@
 """Lanes: elastic DiLoCo's outer state in a layout-independent partition of the model.
 
 A replica's ranks hold the fp32 main parameters as its TP x PP x DP layout shards them
-(each rank a flattened range of each local parameter: :mod:`loco_megatron.checkpoint.dist_optimizer`
+(each rank a flattened range of each local parameter: :mod:`loco_megatron.checkpoint.model_space`
 maps such a range to rectangular *blocks* of the global, model-space tensor). Replicas of
 different layouts therefore hold different elements on "rank k", so they cannot exchange
 rank by rank. Instead, per fragment, the model's parameters are laid end to end in a
@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from loco_megatron.checkpoint.model_space import row_major_blocks, sharded_parts
 from loco_megatron.diloco.outer_math import mix_into, outer_gradient
 
 
@@ -61,10 +62,9 @@ def shard_blocks(sh, start: int, end: int, view: torch.Tensor, fragment: int) ->
     """The blocks of elements [start, end) of a local parameter whose model-space
     ShardedTensor is ``sh`` (megatron's ``sharded_state_dict()`` entry) and whose fp32 main
     shard is ``view`` (those elements, 1-D), with where each lies in ``view``."""
-    from loco_megatron.checkpoint.dist_optimizer import _blocks, _chunks
 
     out = []
-    for part, base in _chunks(sh):
+    for part, base in sharded_parts(sh):
         lo, hi = max(start, base), min(end, base + math.prod(part.local_shape))
         p = part.prepend_axis_num
         rid = part.replica_id
@@ -72,7 +72,7 @@ def shard_blocks(sh, start: int, end: int, view: torch.Tensor, fragment: int) ->
         # DP coordinate does not matter here (DP ranks hold distinct elements of a shard).
         main = all(r == 0 for r in rid[:-1]) if isinstance(rid, tuple) else True
         strides = (0,) * p + row_major(tuple(part.local_shape))
-        for off, shape, flat in _blocks(tuple(part.local_shape), lo - base, hi - base):
+        for off, shape, flat in row_major_blocks(tuple(part.local_shape), lo - base, hi - base):
             origin = tuple(part.global_offset[:p]) + tuple(g + o for g, o in zip(part.global_offset[p:], off))
             out.append((Block(part.key, tuple(part.global_shape), origin, (1,) * p + tuple(shape), main, fragment),
                         Local(view, base + flat - start, strides)))
@@ -95,9 +95,7 @@ def hosts(world: int, lanes: int) -> list[int]:
 def blocks(shape: tuple, start: int, end: int) -> Iterator[tuple[tuple, tuple]]:
     """Rectangular (origin, shape) blocks covering flat elements [start, end) of a row-major
     ``shape``, in flat order (at most two per axis)."""
-    from loco_megatron.checkpoint.dist_optimizer import _blocks
-
-    for origin, shp, _ in _blocks(tuple(shape), start, end):
+    for origin, shp, _ in row_major_blocks(tuple(shape), start, end):
         yield origin, shp
 
 
@@ -136,13 +134,11 @@ class Space:
     def lane_blocks(self, j: int) -> list[tuple]:
         """``(key, global shape, origin, shape, offset in the lane)`` of every block lane ``j``
         holds, in lane order (each block a contiguous run of the lane)."""
-        from loco_megatron.checkpoint.dist_optimizer import _blocks
-
         lo, hi = self.lane(j)
         out = []
         for k in self.keys:
             a, b = max(lo - self.base[k], 0), min(hi - self.base[k], math.prod(self.shapes[k]))
-            for origin, shape, flat in (_blocks(self.shapes[k], a, b) if a < b else ()):
+            for origin, shape, flat in (row_major_blocks(self.shapes[k], a, b) if a < b else ()):
                 out.append((k, self.shapes[k], origin, shape, self.base[k] + flat - lo))
         return out
 
