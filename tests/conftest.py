@@ -136,7 +136,8 @@ def fork_server() -> str | None:
 
 def _forkable(cmd: list[str], env: dict) -> bool:
     """Whether ``cmd`` is a :func:`torchrun_command` of the plain ``--standalone
-    --nproc_per_node`` form whose environment matches the fork server's imports."""
+    --nproc_per_node`` form, or a ``python script.py`` command, whose environment matches
+    the fork server's imports."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return ((_script(cmd) is not None or len(cmd) > 5 and cmd[:4] == head and cmd[4].startswith("--nproc_per_node=")
              and cmd[5].endswith(".py")) and all(env.get(k, "") == v for k, v in FIXED_ENV.items())
@@ -150,8 +151,8 @@ def _script(cmd: list[str]) -> str | None:
 
 class Launch:
     """A launch running on the fork server, used like a ``subprocess.Popen``: ``pid`` is
-    torchrun's agent, which leads a process group of its own with its workers (kill them
-    with ``os.killpg(pid, ...)``); ``poll()``, ``wait(timeout)`` and ``returncode`` as Popen's
+    torchrun's agent (or the script's process), which leads a process group of its own with
+    its workers (kill them with ``os.killpg(pid, ...)``); ``poll()``, ``wait(timeout)`` and ``returncode`` as Popen's
     (the status comes from the server, the agent's parent)."""
 
     def __init__(self, path: str, cmd: list[str], env: dict, stdout: str, stderr: str, cwd: str | None = None):
@@ -244,7 +245,8 @@ def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, sc
     cmd, env = torchrun_command(nproc, args, cache, metrics, script)
     proc = run_launch(cmd, env, timeout)
     crash = re.search(r"Signal (11 \(SIGSEGV\)|7 \(SIGBUS\)) received", proc.stdout + proc.stderr)
-    if crash and getattr(proc, "forked", False) and not {"--save", "--load"} & set(args) and "LOCO_TEST_RECORD_DIR" not in env:
+    saved = {"--save", "--load"} & set(args) or "LOCO_TEST_RECORD_DIR" in env
+    if crash and getattr(proc, "forked", False) and not saved:
         # The fork server's workers are forked by torchrun's agent after its store threads
         # started (tests/forkserver.py): a memory fault there is the harness's hazard, not
         # necessarily the program's. A launch that wrote no checkpoint runs once more as a

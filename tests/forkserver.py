@@ -10,18 +10,21 @@ has already imported everything instead of fresh ``python -u script.py`` process
 Fork safety: this process starts no thread (imports only; nothing of torch runs), so each
 child holds a consistent copy. The workers are forked by torchrun's agent after its store
 started threads, which a plain torchrun never does: a worker that dies of a memory fault
-prints its Python stack (faulthandler, inherited) and ``conftest.torchrun`` reruns a launch
-that saved nothing as a plain torchrun, with a warning. Environment read at import time is this process's:
-conftest starts it with the launches' fixed values (``OMP_NUM_THREADS=1``, the same
-``TRITON_INTERPRET``) and runs a launch with other values, or with launcher flags beyond
-``--standalone --nproc_per_node``, as a plain torchrun instead.
+prints its Python stack (faulthandler, inherited), and ``conftest.torchrun`` reruns a
+launch that saved nothing as a plain torchrun, with a warning. Environment read at import
+time is this process's: conftest starts it with the launches' fixed values
+(``OMP_NUM_THREADS=1``, the same ``TRITON_INTERPRET``, the checkout on PYTHONPATH) and runs
+a launch with other values, or with launcher flags beyond ``--standalone
+--nproc_per_node``, as a plain process instead.
 
 Protocol (one launch per connection on a Unix socket, one JSON line each way): request
 ``{"argv", "script", "env", "cwd", "stdout", "stderr"}`` (stdout and stderr may name one
-file; ``"python": true`` runs the script itself with ``argv``, not torchrun); replies ``{"pid": P}`` when the child is forked (its own process group: a timeout or
-a test's kill ends the agent and its workers together) and ``{"status": S}`` when it exits
-(``S`` as ``subprocess`` reports it: the exit code, or minus the signal). Launches run side
-by side (elastic replicas): each has a waiter process of its own, forked from this one.
+file; ``"python": true`` runs the script itself with ``argv``, as ``python script.py``
+would, instead of torchrun); replies ``{"pid": P}`` when the child is forked (its own
+process group: a timeout or a test's kill ends the agent and its workers together) and
+``{"status": S}`` when it exits (``S`` as ``subprocess`` reports it: the exit code, or
+minus the signal). Launches run side by side (elastic replicas): each has a waiter process
+of its own, forked from this one.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def _child(req: dict) -> int:
     os.setpgid(0, 0)  # the client's timeout kills the agent and its workers together
     out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     # One file for both (a job's log): one descriptor, so neither stream overwrites the other.
-    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = out if req["stderr"] == req["stdout"] else os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                                             0o644)
     os.dup2(out, 1)
     os.dup2(err, 2)
     for f in {out, err}:

@@ -430,3 +430,24 @@ def test_a_killed_build_does_not_hang_later_starts(tmp_path):
         removed = [ln for ln in proc.stderr.splitlines() if "build lock left by an interrupted build" in ln]
         assert len(removed) == (1 if stale else 0), proc.stderr
         assert not (build_dir / "lock").exists()
+
+
+def test_the_avx512_unit_is_built_only_for_a_cpu_that_has_it(tmp_path):
+    """Guards against the build leaving out the AVX-512 copy on a CPU that has it (a slower
+    kernel), compiling it where it can never run (a third of the build time for nothing), or
+    two kinds of CPU sharing one extensions folder with one build: the flag that says which
+    copies are compiled is in the compiler flags, and so in the build folder's key."""
+    def info(flags: str) -> str:
+        path = tmp_path / f"cpuinfo{len(flags)}"
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        return str(path)
+
+    assert cpu_kernels.max_isa(info("fpu sse2 avx2 fma")) == 1
+    assert cpu_kernels.max_isa(info("fpu avx2 fma avx512f avx512bw avx512vl")) == 1  # no avx512dq
+    assert cpu_kernels.max_isa(info("fpu avx2 fma avx512f avx512bw avx512vl avx512dq")) == 2
+    assert cpu_kernels.max_isa(str(tmp_path / "absent")) == 2  # not asked: every copy
+    here = cpu_kernels.max_isa()
+    assert ("isa_avx512.cpp" in [f.name for f in cpu_kernels.units()]) == (here == 2)
+    assert f"-DLOCO_MAX_ISA={here}" in cpu_kernels.cflags()
+    ext = cpu_kernels.extension()
+    assert ext is not None and ext.isa() <= here

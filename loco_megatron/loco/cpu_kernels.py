@@ -74,13 +74,14 @@ AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 @functools.lru_cache(maxsize=None)
-def max_isa() -> int:
+def max_isa(cpuinfo: str = "/proc/cpuinfo") -> int:
     """The highest instruction-set copy to compile: 1 (no AVX-512 copy) on an x86-64 Linux
-    machine whose /proc/cpuinfo lacks any of :data:`AVX512_FLAGS`, else 2 (every copy; on
-    other systems the CPU is not asked). The AVX-512 unit is a third of the build and never
-    runs on such a CPU."""
+    machine whose ``cpuinfo`` flags lack any of :data:`AVX512_FLAGS`, else 2 (every copy; a
+    system without that file or its ``flags`` line is not asked). The AVX-512 unit is a
+    third of the build and never runs on such a CPU."""
     try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), None)
+        with open(cpuinfo) as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
     except OSError:
         return 2
     return 2 if flags is None or all(f in flags for f in AVX512_FLAGS) else 1
