@@ -3,7 +3,8 @@
 megatron-core starts helper processes from a rank: the shard writers of every torch_dist
 save (``FileSystemWriterAsync``, forked, one per write bucket), the background process of
 ``--async-save`` (forked) and the writers' result ``SyncManager`` (spawned, see
-:func:`loco_megatron.checkpoint.torch_dist.start_writer_manager_detached`). Two rules:
+:func:`loco_megatron.checkpoint.torch_dist.start_writer_manager_detached`; started under
+:func:`main_not_rerun`, it does not run the rank's script again). Two rules:
 
 - **They ignore the stop signals** (SIGTERM, SIGUSR1, SIGINT). torchrun forwards the
   SIGTERM it gets with ``killpg`` to each worker's whole process group and Slurm sends
@@ -74,6 +75,25 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """Around starting a spawned helper that needs nothing of the rank's script (the
+    writers' result Manager): multiprocessing's spawn runs the parent's ``__main__`` again
+    in the child, by its ``__spec__`` name or else its ``__file__`` (pretrain_gpt.py: its
+    imports are torch, megatron-core and this package, seconds of CPU and hundreds of MB
+    per rank), unless ``__main__`` has neither. Hide both while the child starts (the
+    preparation data is taken in this thread during ``start()``), then put them back."""
+    main = sys.modules["__main__"]
+    saved = {key: main.__dict__[key] for key in ("__spec__", "__file__") if key in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def die_with_parent() -> bool:

@@ -109,3 +109,36 @@ def test_helpers_ignore_the_stop_signals_and_die_with_the_rank():
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "helpers outlived their SIGKILLed rank"
+
+
+def test_the_writers_result_manager_imports_neither_torch_nor_the_rank_script(tmp_path):
+    """Guards against the writers' result Manager (spawned by every rank at its first
+    torch_dist save) running the rank's script again (multiprocessing's spawn re-runs
+    ``__main__``: torch, megatron-core, this package) and unpickling the write results
+    it carries (torch.distributed.checkpoint's ``WriteResult``: torch again): seconds of
+    CPU per rank and a second copy of torch in memory, for a queue. A rank script that
+    imports torch starts the Manager, passes a real ``WriteResult`` through it intact, and
+    the Manager process has mapped no torch library; the script's own ``__file__`` is back."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+        from loco_megatron.checkpoint import torch_dist
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        torch_dist.start_writer_manager_detached()
+        result = {0: [WriteResult(index=MetadataIndex("w", (0,)), size_in_bytes=8, storage_data="f")]}
+        filesystem_async._results_queue.put(result)
+        assert filesystem_async._results_queue.get_nowait() == result
+        assert sys.modules["__main__"].__file__ == __file__
+        kids = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+        for kid in kids:  # the Manager, and multiprocessing's resource tracker
+            role = "manager" if b"spawn_main" in open(f"/proc/{kid}/cmdline", "rb").read() else "other"
+            print(role, "torch" if "libtorch" in open(f"/proc/{kid}/maps").read() else "no-torch", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "manager no-torch" in lines and not any(line.endswith(" torch") for line in lines), proc.stdout

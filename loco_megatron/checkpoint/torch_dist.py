@@ -38,6 +38,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import pickle
 import re
 import warnings
 from typing import Callable, Optional
@@ -49,7 +50,7 @@ from loco_megatron.checkpoint import diloco, files
 from loco_megatron.checkpoint.rng import rng_state, set_rng_state
 from loco_megatron.config import ConfigError, brief
 from loco_megatron.loco.hooks.version import check_megatron_core_version
-from loco_megatron.children import become_helper, stop_signals_blocked
+from loco_megatron.children import become_helper, main_not_rerun, stop_signals_blocked
 
 PER_RANK = ("loco", "param_gather", diloco.NAME)
 """Registered states whose content depends on the parallel layout (one object per rank;
@@ -146,6 +147,28 @@ class WorkerErrorLogFilter(logging.Filter):
         return not str(record.msg).startswith("Local process ")
 
 
+
+class PickledQueue:
+    """megatron's write-results queue (``filesystem_async._results_queue``) over a Manager
+    queue proxy that carries pickled bytes: the writer that ``put``s pickles the result
+    (a dict of torch's ``WriteResult`` lists, or an exception), the rank that ``get``s
+    unpickles it, and the Manager in between holds bytes, so it never imports what the
+    results reference (torch.distributed.checkpoint, and torch with it). megatron calls
+    ``put`` (its write process) and ``get_nowait`` (the rank); ``get`` serves the tests."""
+
+    def __init__(self, queue) -> None:
+        self._queue = queue
+
+    def put(self, obj) -> None:
+        self._queue.put(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def get_nowait(self):
+        return pickle.loads(self._queue.get_nowait())
+
+    def get(self, timeout: float | None = None):
+        return pickle.loads(self._queue.get(timeout=timeout))
+
+
 def start_writer_manager_detached() -> None:
     """megatron's torch_dist writer uses a multiprocessing Manager (a spawned server
     process) to collect write results; megatron starts it at the first save. Start it here
@@ -158,7 +181,11 @@ def start_writer_manager_detached() -> None:
     --async-save write (finished, never finalized), which the next write's finalize would
     take for its own (a success hiding this write's failure, or the old write's file
     offsets in the new .metadata), and quiets megatron's per-writer error log lines
-    (:class:`WorkerErrorLogFilter`)."""
+    (:class:`WorkerErrorLogFilter`). (3) As a plain queue server: it neither re-runs the
+    rank's script (:func:`.children.main_not_rerun`) nor unpickles the results
+    (:class:`PickledQueue`), so it imports neither torch nor megatron-core (megatron's own
+    Manager did both: seconds of CPU per rank at the first save, and its own copy of torch
+    in memory)."""
     import multiprocessing as mp
     import queue
     import sys
@@ -183,9 +210,9 @@ def start_writer_manager_detached() -> None:
         os.dup2(null, 1)
         os.dup2(null, 2)
         manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's own choice of context
-        with stop_signals_blocked():
+        with stop_signals_blocked(), main_not_rerun():
             manager.start(initializer=become_helper, initargs=(os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        filesystem_async._results_queue = PickledQueue(manager.Queue())  # the proxy keeps the manager alive
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
