@@ -7,7 +7,9 @@ so a tiny run does not spend most of its time importing; so do the elastic repli
 processes (:func:`run_launch`). ``LOCO_TEST_FORKSERVER=0`` runs every launch as a plain
 process; the tests that stop ranks, restart them under torchrun or read their command
 lines always do (``tests/test_forkserver.py`` checks that both give the same losses, lines
-and errors).
+and errors). The README runs the files on two pytest-xdist workers (``-n 2 --dist
+loadfile``: a module and its shared runs stay on one worker); each worker has its own fork
+server, corpus and temporary folders.
 """
 
 from __future__ import annotations
@@ -239,11 +241,15 @@ def run_launch(cmd: list[str], env: dict | None, timeout: float, cwd=REPO) -> su
 
 
 def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, script: str = "pretrain_gpt.py",
-             timeout: int = 600, name: str = "run") -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run ``script`` on ``nproc`` local ranks; returns the process and its metrics."""
+             timeout: int = 600, name: str = "run", plain: bool = False) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run ``script`` on ``nproc`` local ranks; returns the process and its metrics.
+    ``plain``: a torchrun process of its own (fresh interpreters), never the fork server."""
     metrics = tmp_path / f"{name}.jsonl"
     cmd, env = torchrun_command(nproc, args, cache, metrics, script)
-    proc = run_launch(cmd, env, timeout)
+    if plain:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = run_launch(cmd, env, timeout)
     crash = re.search(r"Signal (11 \(SIGSEGV\)|7 \(SIGBUS\)) received", proc.stdout + proc.stderr)
     saved = {"--save", "--load"} & set(args) or "LOCO_TEST_RECORD_DIR" in env
     if crash and getattr(proc, "forked", False) and not saved:

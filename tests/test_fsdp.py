@@ -2,15 +2,23 @@
 gloo processes, the intra-node reduce-scatter megatron's own, the cross-node replica
 reduction compressed."""
 
+import functools
 import json
 import re
 import shutil
 
 import pytest
 
-from conftest import TINY, torchrun, train_losses
+import conftest
+from conftest import TINY, train_losses
 from loco_megatron.cli import parse_config
 from loco_megatron.config import ConfigError
+
+# Megatron-FSDP's runs start as plain torchruns (fresh interpreters), not on the suite's fork
+# server: twice a rank of a 4-rank FSDP run forked there died (CI, SIGSEGV; a two-worker suite
+# run, SIGABRT, rank 3 both times), never in a plain run; 25 forked runs of the same launch
+# under load did not reproduce it, so the cause is not known.
+torchrun = functools.partial(conftest.torchrun, plain=True)
 
 HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--loco-ranks-per-node", "2",
                "--micro-batch-size", "1", "--train-iters", "4"]

@@ -2,12 +2,20 @@
 same-layout resume (of an --async-save) bit-exact with LoCo's error buffers, resume at another layout resharded
 with the per-rank state reset in one line, the flag refused without --use-megatron-fsdp."""
 
+import functools
 import shutil
 import sys
 
 import pytest
 
-from conftest import REPO, TINY, run_launch, torchrun, train_losses
+import conftest
+from conftest import REPO, TINY, run_launch, train_losses
+
+# Megatron-FSDP's runs start as plain torchruns (fresh interpreters), not on the suite's fork
+# server: twice a rank of a 4-rank FSDP run forked there died (CI, SIGSEGV; a two-worker suite
+# run, SIGABRT, rank 3 both times), never in a plain run; 25 forked runs of the same launch
+# under load did not reproduce it, so the cause is not known.
+torchrun = functools.partial(conftest.torchrun, plain=True)
 
 HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1",
                "--train-iters", "4", "--loco-bits", "4", "--ckpt-format", "fsdp_dtensor"]
