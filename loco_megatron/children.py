@@ -82,9 +82,10 @@ def main_not_rerun() -> Iterator[None]:
     """Around starting a spawned helper that needs nothing of the rank's script (the
     writers' result Manager): multiprocessing's spawn runs the parent's ``__main__`` again
     in the child, by its ``__spec__`` name or else its ``__file__`` (pretrain_gpt.py: its
-    imports are torch, megatron-core and this package, seconds of CPU and hundreds of MB
-    per rank), unless ``__main__`` has neither. Hide both while the child starts (the
-    preparation data is taken in this thread during ``start()``), then put them back."""
+    imports are torch, megatron-core and this package: seconds of CPU per rank, and
+    another copy of torch in memory), unless ``__main__`` has neither. Hide both while the
+    child starts (the preparation data is taken in this thread during ``start()``), then
+    put them back."""
     main = sys.modules["__main__"]
     saved = {key: main.__dict__[key] for key in ("__spec__", "__file__") if key in main.__dict__}
     main.__dict__.pop("__file__", None)

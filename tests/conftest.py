@@ -6,7 +6,8 @@ so a tiny run does not spend most of its time importing; so do the elastic repli
 (:func:`start_launch`, side by side) and the tools' and dry runs' ``python script.py``
 processes (:func:`run_launch`). ``LOCO_TEST_FORKSERVER=0`` runs every launch as a plain
 process; the tests that stop ranks, restart them under torchrun or read their command
-lines always do (``tests/test_forkserver.py`` checks that both give the same losses, lines
+lines always do, and so do Megatron-FSDP's runs (``tests/test_fsdp.py`` says why)
+(``tests/test_forkserver.py`` checks that both give the same losses, lines
 and errors). The README runs the files on two pytest-xdist workers (``-n 2 --dist
 loadfile``: a module and its shared runs stay on one worker); each worker has its own fork
 server, corpus and temporary folders.

@@ -147,7 +147,6 @@ class WorkerErrorLogFilter(logging.Filter):
         return not str(record.msg).startswith("Local process ")
 
 
-
 class PickledQueue:
     """megatron's write-results queue (``filesystem_async._results_queue``) over a Manager
     queue proxy that carries pickled bytes: the writer that ``put``s pickles the result
