@@ -212,17 +212,18 @@ def start_launch(cmd: list[str], env: dict, log: str) -> subprocess.Popen | Laun
     return Launch(path, cmd, env, log, log)
 
 
-def run_launch(cmd: list[str], env: dict | None, timeout: float, cwd=REPO) -> subprocess.CompletedProcess:
+def run_launch(cmd: list[str], env: dict | None, timeout: float, cwd=REPO,
+               fork: bool = True) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=...)``
     for a :func:`torchrun_command` ``cmd`` or a ``[sys.executable, "script.py", ...]`` one; one of
     plain ``--standalone --nproc_per_node`` form, or a script, runs on the fork server (the
     same torchrun CLI, its workers forked from an interpreter that has imported torch and
     megatron-core; or the script in such a fork; the result has ``forked = True``), any other
     as a process. ``env`` None: this process's, with the fork server's fixed values and the
-    checkout on PYTHONPATH."""
+    checkout on PYTHONPATH. ``fork`` False: always a process of its own (fresh interpreters)."""
     if env is None:
         env = dict(os.environ, PYTHONPATH=str(REPO), **FIXED_ENV)
-    path = fork_server() if _forkable(cmd, env) else None
+    path = fork_server() if fork and _forkable(cmd, env) else None
     if path is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as out:
@@ -247,10 +248,7 @@ def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, sc
     ``plain``: a torchrun process of its own (fresh interpreters), never the fork server."""
     metrics = tmp_path / f"{name}.jsonl"
     cmd, env = torchrun_command(nproc, args, cache, metrics, script)
-    if plain:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    else:
-        proc = run_launch(cmd, env, timeout)
+    proc = run_launch(cmd, env, timeout, fork=not plain)
     crash = re.search(r"Signal (11 \(SIGSEGV\)|7 \(SIGBUS\)) received", proc.stdout + proc.stderr)
     saved = {"--save", "--load"} & set(args) or "LOCO_TEST_RECORD_DIR" in env
     if crash and getattr(proc, "forked", False) and not saved:

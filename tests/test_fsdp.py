@@ -15,9 +15,8 @@ from loco_megatron.cli import parse_config
 from loco_megatron.config import ConfigError
 
 # Megatron-FSDP's runs start as plain torchruns (fresh interpreters), not on the suite's fork
-# server: twice a rank of a 4-rank FSDP run forked there died (CI, SIGSEGV; a two-worker suite
-# run, SIGABRT, rank 3 both times), never in a plain run; 25 forked runs of the same launch
-# under load did not reproduce it, so the cause is not known.
+# server: a rank of a 4-rank FSDP run forked by the server's agent (after its store threads
+# started) can die of a memory fault or an abort, for a reason not known; a plain run does not.
 torchrun = functools.partial(conftest.torchrun, plain=True)
 
 HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--loco-ranks-per-node", "2",

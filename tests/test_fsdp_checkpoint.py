@@ -11,10 +11,7 @@ import pytest
 import conftest
 from conftest import REPO, TINY, run_launch, train_losses
 
-# Megatron-FSDP's runs start as plain torchruns (fresh interpreters), not on the suite's fork
-# server: twice a rank of a 4-rank FSDP run forked there died (CI, SIGSEGV; a two-worker suite
-# run, SIGABRT, rank 3 both times), never in a plain run; 25 forked runs of the same launch
-# under load did not reproduce it, so the cause is not known.
+# Plain torchruns, not the fork server: Megatron-FSDP's runs, as in tests/test_fsdp.py (see there).
 torchrun = functools.partial(conftest.torchrun, plain=True)
 
 HSDP = TINY + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1",
