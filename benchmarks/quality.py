@@ -129,11 +129,17 @@ for _h in (16, 32, 64):
         for _form, (_label, _flags) in OUTER_FORMS.items():
             VARIANTS[f"dl{_bits}{_form}-h{_h}"] = (f"DiLoCo H={_h}, LoCo {_bits}-bit outer, {_label}",
                                                    [*_base, "--diloco-outer-bits", str(_bits), *_flags])
+# Muon (--optimizer muon): data parallel, with LoCo, and as DiLoCo's inner optimizer (MuLoCo:
+# every DiLoCo variant with an "m" in front); benchmarks/muon.py tunes and compares them.
+VARIANTS["muon"] = ("Muon, full precision", ["--loco-bits", "0", "--optimizer", "muon"])
+VARIANTS["muon-loco4"] = ("Muon, LoCo 4-bit", ["--loco-bits", "4", "--optimizer", "muon"])
+for _name in [v for v in VARIANTS if v.startswith("dl")]:
+    VARIANTS[f"m{_name}"] = (f"MuLoCo: {VARIANTS[_name][0]}", [*VARIANTS[_name][1], "--optimizer", "muon"])
 SECTIONS = {"2bit": ["fp32", "loco2", *(f"loco2-{x}" for x in TWO_BIT_OPTIONS),
                      "noef2", *(f"noef2-{x}" for x in TWO_BIT_NOEF_OPTIONS)],
             "diloco": ["fp32", *(v for v in VARIANTS if v.startswith("dl") and not v.endswith("-h64"))]}
 """Names ``--variants`` expands (each a list of variants)."""
-MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2", "fsdp", "fsdp4") and "-" not in v]
+MAIN = [v for v in VARIANTS if v not in ("loco2d", "loco2p2", "fsdp", "fsdp4", "muon") and "-" not in v]
 SMALL_MODEL = ["--micro-batch-size", "2", "--global-batch-size", "8"]
 """``--model small``: half the default's tokens per step (4 layers, hidden 128, sequence 128)."""
 """The variants run when ``--variants`` is not given (the original study)."""

@@ -167,7 +167,7 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
         grad_reduce_in_fp32=not p.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
-        use_distributed_optimizer=p.use_distributed_optimizer,
+        use_distributed_optimizer=config.megatron_distributed_optimizer,
         bucket_size=p.ddp_bucket_size,
     )
     vp = p.virtual_pipeline_model_parallel_size

@@ -32,6 +32,10 @@ training): :func:`gloo_on_one_gpu` puts every rank on ``cuda:0`` over gloo, whic
 CUDA implementation of some collectives that megatron-core and LoCo issue; under
 :func:`platform_context` those run on host copies (:func:`gloo_cuda_staging`).
 
+Over gloo (CPU, or ranks sharing a GPU), :func:`gloo_ragged_all_gather`: an all-gather of
+outputs of different sizes, which megatron-core's layer-wise optimizer (--optimizer muon)
+issues and gloo implements for equal sizes only.
+
 Megatron-FSDP on CPU: :func:`megatron_fsdp_compat` while it is built, and
 :func:`megatron_fsdp_staged_param_gather` on the built instance (its overlapped parameter
 all-gathers, as on a GPU, each gloo gather working on memory only it holds).
@@ -48,7 +52,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Platform", "detect_platform", "cpu_compat", "gloo_cuda_staging", "gloo_on_one_gpu", "megatron_fixes",
+__all__ = ["Platform", "detect_platform", "cpu_compat", "gloo_cuda_staging", "gloo_on_one_gpu", "gloo_ragged_all_gather",
+           "megatron_fixes",
            "megatron_fsdp_compat", "megatron_fsdp_staged_param_gather", "platform_context"]
 
 
@@ -132,6 +137,36 @@ def gloo_cuda_staging() -> Iterator[None]:
             _patch(stack, torch.distributed, name, _host_staged(getattr(torch.distributed, name)))
         _patch(stack, pgb, "dist_reduce_scatter_func", torch.distributed.reduce_scatter_tensor)
         _patch(stack, pgb, "dist_all_gather_func", torch.distributed.all_gather_into_tensor)
+        yield
+
+
+def _ragged(all_gather: Callable) -> Callable:
+    """``torch.distributed.all_gather`` that also takes outputs of different sizes (NCCL's
+    all-gather-v, which megatron-core's layer-wise optimizer issues; gloo refuses it): each
+    rank's input padded to the largest, gathered, and cut back. Every rank knows the sizes
+    from its output list, so all pad alike; equal sizes pass straight through."""
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) <= 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(sizes)
+        padded = torch.zeros(n, dtype=tensor.dtype, device=tensor.device)
+        padded[:tensor.numel()].copy_(tensor.reshape(-1))
+        out = [torch.empty_like(padded) for _ in sizes]
+        all_gather(out, padded, group=group)
+        for dst, src, k in zip(tensor_list, out, sizes):
+            dst.view(-1).copy_(src[:k])
+        return _Done() if async_op else None
+
+    return gather
+
+
+@contextlib.contextmanager
+def gloo_ragged_all_gather() -> Iterator[None]:
+    """While active, ``torch.distributed.all_gather`` takes outputs of different sizes
+    (:func:`_ragged`): gloo's lacks NCCL's all-gather-v."""
+    with contextlib.ExitStack() as stack:
+        _patch(stack, torch.distributed, "all_gather", _ragged(torch.distributed.all_gather))
         yield
 
 
@@ -376,4 +411,6 @@ def platform_context(platform: Platform) -> Iterator[None]:
                 stack.enter_context(gloo_cuda_staging())
         else:
             stack.enter_context(cpu_compat())
+        if platform.backend == "gloo":
+            stack.enter_context(gloo_ragged_all_gather())
         yield

@@ -17,7 +17,9 @@
   and all-gather, the --param-gather-bits all-gather), next to the step's ``comm/``
   figures from ``CommStats.take``. ``grad_in``: bytes handed to gradient collectives of
   more than one rank; ``grad_out``: the part of them addressed to other ranks;
-  ``param``: gathered parameter buffers of more than one rank.
+  ``param``: gathered parameter buffers of more than one rank (--optimizer muon: DDP's
+  all-reduce of whole buckets and the layer-wise optimizer's all-gather, see
+  :func:`_record_whole`).
 """
 
 import json
@@ -55,6 +57,8 @@ class Wire:
 
     def __init__(self):
         self.grad_in = self.grad_out = self.param = 0
+        self.checking = False
+        """True while this script's own checks gather parameters (not the run's traffic)."""
 
     def grad(self, nbytes: int, group) -> None:
         world = dist.get_world_size(group)
@@ -104,6 +108,28 @@ def _install_recorders(wire: Wire) -> tuple:
                              all_gather_into_tensor=grad_op(dist.all_gather_into_tensor, lambda o, i: i),
                              all_reduce=dist.all_reduce)  # the TP replica average: not data-parallel bytes
     return grad_ops, CollectiveOps(all_gather_into_tensor=gather_params)
+
+
+def _record_whole(wire: Wire, chunks: list) -> None:
+    """Without megatron's distributed optimizer (--optimizer muon): DDP's all-reduce of each
+    gradient bucket and the layer-wise optimizer's all-gather of whole parameters, recorded
+    where megatron-core calls them (``torch.distributed``'s functions, patched here inside the
+    run's platform context, which restores its own at the end of the run)."""
+    grads = {id(b.grad_data) for c in chunks for g in list(c.bucket_groups) + list(c.expert_parallel_bucket_groups)
+             for b in g.buckets}
+    all_reduce, all_gather = dist.all_reduce, dist.all_gather
+
+    def all_reduce_recorded(tensor, *args, group=None, **kwargs):
+        if id(tensor) in grads:
+            wire.grad(_nbytes(tensor), group)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    def all_gather_recorded(tensor_list, tensor, group=None, async_op=False):
+        if not wire.checking:
+            wire.gathered(_nbytes(tensor_list), group)
+        return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+    dist.all_reduce, dist.all_gather = all_reduce_recorded, all_gather_recorded
 
 
 def _exact_main(optimizer, param_hook: ParamGatherHook) -> list:
@@ -166,6 +192,13 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
     d = config.diloco
 
     def check(iteration: int) -> None:
+        wire.checking = True
+        try:
+            identical(iteration)
+        finally:
+            wire.checking = False
+
+    def identical(iteration: int) -> None:
         from megatron.core import parallel_state as ps
 
         params = [p for c in hooks["chunks"] for p in c.parameters()]
@@ -191,6 +224,8 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
 
     def param_sync_factory(chunks, optimizer, loco, stats):
         hooks["chunks"], hooks["optimizer"] = chunks, optimizer
+        if not config.megatron_distributed_optimizer:
+            _record_whole(wire, chunks)
         step, take = optimizer.step, stats.take
 
         def checked_step():
@@ -214,7 +249,7 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
             if it == config.train.train_iters:
                 # What a save does first: finish a deferred gather (only the distributed
                 # optimizer gathers parameters; without it megatron asserts on the call).
-                for chunk in chunks if config.parallel.use_distributed_optimizer else ():
+                for chunk in chunks if config.megatron_distributed_optimizer else ():
                     chunk.start_param_sync(force_sync=True)
                 check(it)
             return comm, sums

@@ -23,7 +23,8 @@ def _checks(stdout: str, kind: str) -> dict[tuple[int, int], list[bool]]:
     return out
 
 
-def test_one_replica_with_lr_one_tracks_plain_training(cache_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_one_replica_with_lr_one_tracks_plain_training(optimizer, cache_dir, tmp_path):
     """Guards against an outer step that changes what it should leave alone: one replica
     with outer lr 1 and momentum 0 sets the parameters to ``agreed - (agreed - local)``,
     which is ``local`` up to one fp32 rounding of the subtraction (exact where the two
@@ -31,8 +32,11 @@ def test_one_replica_with_lr_one_tracks_plain_training(cache_dir, tmp_path):
     losses agree to 1e-5 relative over 6 steps with an outer step every 2 (the bound the
     test uses: a few fp32 roundings' worth of drift in the parameters, far below the
     1e-2 a wrong sign, a doubled update or a stale parameter copy produces). Catches, too,
-    the gradient scaling applied for replicas when there is only one."""
-    args = TINY + ["--train-iters", "6"]
+    the gradient scaling applied for replicas when there is only one. With --optimizer muon
+    (MuLoCo) the shards are the layer-wise optimizer's whole parameters, each rank's own:
+    an outer update of a parameter the rank does not own, or one not copied to the model
+    or not gathered to the replica's other rank, breaks the tracking too."""
+    args = TINY + ["--train-iters", "6", "--optimizer", optimizer]
     one = ["--diloco-replicas", "1", "--diloco-inner-steps", "2", "--diloco-outer-lr", "1",
            "--diloco-outer-momentum", "0", "--diloco-outer-bits", "0"]
     runs = [("plain", []), ("one", one)]
@@ -46,17 +50,19 @@ def test_one_replica_with_lr_one_tracks_plain_training(cache_dir, tmp_path):
     assert "DiLoCo: 1 replicas of 2 ranks" in stdout
 
 
-def test_replicas_train_apart_and_agree_after_each_outer_step(cache_dir, tmp_path):
+@pytest.mark.parametrize("optimizer,outer_bits", [("adam", "4"), ("muon", "2")])
+def test_replicas_train_apart_and_agree_after_each_outer_step(optimizer, outer_bits, cache_dir, tmp_path):
     """Guards against replicas that are not independent between outer steps (gradients
     still reduced across replicas, or data shared) and against an outer step that leaves
     them apart (a rank keeping its own mean, a missed copy to the model's weights or its
     bf16 copy, a parameter gather that serves stale shards): 2 replicas of 2 ranks (inner
-    DP 2, inner LoCo 4-bit, outer LoCo 4-bit), bf16, an outer step every 2 steps: after
+    DP 2, inner LoCo 4-bit, outer LoCo 4-bit; MuLoCo: Muon sharded layer-wise over the
+    replica's 2 ranks, 2-bit outer gradients), bf16, an outer step every 2 steps: after
     steps 2, 4, 6 every parameter is bit-identical across the replicas (the fp32 main
-    shards and the bf16 weights); after 3 and 5 the replicas differ; inside a replica the
-    weights are always identical."""
+    shards and the bf16 weights; MuLoCo: Muon's and AdamW's); after 3 and 5 the replicas
+    differ; inside a replica the weights are always identical."""
     args = TINY + ["--train-iters", "6", "--loco-bits", "4", "--bf16", "--diloco-replicas", "2",
-                   "--diloco-inner-steps", "2", "--diloco-outer-bits", "4"]
+                   "--diloco-inner-steps", "2", "--diloco-outer-bits", outer_bits, "--optimizer", optimizer]
     proc, metrics = torchrun(4, args, cache_dir, tmp_path, script="tests/diloco_check.py")
     outer, model, inner = (_checks(proc.stdout, k) for k in ("OUTER", "MODEL", "INNER"))
     for rank in range(4):
@@ -66,6 +72,8 @@ def test_replicas_train_apart_and_agree_after_each_outer_step(cache_dir, tmp_pat
                 assert model[(rank, it)] == [it % 2 == 0], (rank, it)
             if it % 2 == 0:
                 assert outer[(rank, it)] and all(outer[(rank, it)]), (rank, it)
+    if optimizer == "muon":  # (sub-optimizer 0 is Muon, 1 megatron's AdamW)
+        assert {"opt0", "opt1"} <= set(re.findall(r"key=(opt\d)", proc.stdout))
     steps = [m for m in metrics if "comm/outer_bytes_sent" in m]
     assert steps and all(m["comm/outer_bytes_sent"] > 0 for m in steps if m["iteration"] % 2 == 0)
     assert all(m["comm/outer_bytes_sent"] == 0 for m in steps if m["iteration"] % 2 == 1)

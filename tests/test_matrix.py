@@ -6,8 +6,9 @@ size share one torchrun (tests/matrix_run.py runs them one after another, tearin
 megatron's parallel state in between): start-up is most of a tiny run's cost on CPU.
 test_training and test_checkpoint resume in fresh processes.
 
-DiLoCo (``diloco2``: 2 replicas, an outer step every 3 steps, 4-bit outer gradients with
-error feedback) saves at step 2, mid-interval, so the outer step at 3 follows the resume;
+``muon``: --optimizer muon (Muon and AdamW in megatron-core's layer-wise optimizer, DDP
+all-reducing whole gradients; MuLoCo with DiLoCo). DiLoCo (``diloco2``: 2 replicas, an
+outer step every 3 steps, 4-bit outer gradients with error feedback) saves at step 2, mid-interval, so the outer step at 3 follows the resume;
 its other-layout resume changes the replicas' inner DP (2 -> 4 ranks, 2 replicas) or the
 replica count (4 -> 2 ranks, 1 replica).
 
@@ -40,6 +41,7 @@ FACTORS = {
     "ckpt_format": ("torch_dist", "torch"),
     "other_layout": ("bucket", "dp"),
     "diloco": (0, 2),
+    "optimizer": ("adam", "muon"),
 }
 
 RESUME_RTOL = 1e-4
@@ -64,10 +66,14 @@ def valid(cell: dict) -> bool:
     PP2 leave DP2 on 4 ranks); --async-save needs a sharded format, and the matrix's only
     one is torch_dist (fsdp_dtensor, Megatron-FSDP's, is tested in test_fsdp_checkpoint.py).
     DiLoCo's replicas are whole nodes, so two-hop under DiLoCo needs a replica's
-    data-parallel group to span two nodes: 8 ranks, more than the matrix runs."""
+    data-parallel group to span two nodes: 8 ranks, more than the matrix runs. --optimizer
+    muon has neither --param-gather-bits nor --overlap-param-gather (the distributed
+    optimizer's gathers; its layer-wise optimizer gathers whole parameters after its step)."""
     if cell["hierarchical"] and (cell["loco_bits"] == 0 or cell["parallel"] not in ("dp", "ep2")
                                  or cell["diloco"]):
         return False
+    if cell["optimizer"] == "muon" and (cell["param_gather_bits"] or cell["overlap_param_gather"]):
+        return False  # both are the distributed optimizer's, refused with Muon in one line (test_muon.py)
     return not (cell["async_save"] and cell["ckpt_format"] != "torch_dist")
 
 
@@ -87,7 +93,7 @@ def cell_id(cell: dict) -> str:
         f"pgb{cell['param_gather_bits']}", "bf16" if cell["bf16"] else "fp32", cell["parallel"],
         *(["overlap-pg"] if cell["overlap_param_gather"] else []), *(["async"] if cell["async_save"] else []),
         cell["ckpt_format"], f"other-{cell['other_layout']}",
-        *([f"diloco{cell['diloco']}"] if cell["diloco"] else [])])
+        *([f"diloco{cell['diloco']}"] if cell["diloco"] else []), *(["muon"] if cell["optimizer"] == "muon" else [])])
 
 
 def cell_args(cell: dict) -> list[str]:
@@ -104,6 +110,7 @@ def cell_args(cell: dict) -> list[str]:
     args += ["--overlap-param-gather"] if cell["overlap_param_gather"] else []
     args += ["--async-save"] if cell["async_save"] else []
     args += ["--diloco-replicas", str(cell["diloco"]), "--diloco-inner-steps", "3"] if cell["diloco"] else []
+    args += ["--optimizer", cell["optimizer"]]
     return args
 
 

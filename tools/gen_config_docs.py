@@ -18,7 +18,7 @@ import typing
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loco_megatron.cli.flags import field_docs, scalar_type, sections  # noqa: E402
+from loco_megatron.cli.flags import field_docs, negative_flag, scalar_type, sections  # noqa: E402
 from loco_megatron.config.base import ALTERNATIVES, RENAMED  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
@@ -57,6 +57,7 @@ def render() -> str:
             flag = "--" + f.name.replace("_", "-")
             typ = scalar_type(hints[f.name])
             shown = f"`{flag}` / `--no-{flag[2:]}`" if typ is bool else f"`{flag}`"
+            shown += f" / `{negative_flag(f)}`" if negative_flag(f) else ""
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices", ()))
             lines.append(f"| {shown} | {typ.__name__} | {_default(default)} | {choices} | "

@@ -72,6 +72,8 @@ def find_resume_dir(load_root: Optional[pathlib.Path], rank: int, layout_key: di
                 differs = shape_difference(saved.get("model"), layout_key.get("model"))
                 if differs:
                     error = f"--load: {path} holds a model of another shape ({differs})"
+                else:
+                    error = optimizer_difference(saved, layout_key, path)
             except ConfigError as e:  # e.g. a truncated common.pt
                 error = str(e)
             if collective:  # agreed: printed once, and no rank goes on alone if only some failed
@@ -119,9 +121,22 @@ def compare_layout(saved: dict, layout_key: dict, path: pathlib.Path) -> None:
     differs = shape_difference(saved.get("model"), layout_key.get("model"))
     if differs:
         raise ConfigError(f"--load: {path} holds a model of another shape ({differs})")
+    if optimizer_difference(saved, layout_key, path):
+        raise ConfigError(optimizer_difference(saved, layout_key, path))
     diff = {k: (saved.get(k), v) for k, v in layout_key.items() if k != "model" and saved.get(k) != v}
     if diff:
         raise ConfigError(f"--load: {path} was saved with a different model/parallel layout (saved vs now: {diff})")
+
+
+def optimizer_difference(saved: dict, layout_key: dict, path: pathlib.Path) -> str:
+    """The one-line refusal of a resume under another --optimizer ("" when it is the same):
+    AdamW's moments and Muon's momentum cannot stand in for each other, and a run must not
+    silently start one of them from zero (a layout key without it: adam)."""
+    was, now = saved.get("optimizer", "adam"), layout_key.get("optimizer", "adam")
+    if was == now:
+        return ""
+    return (f"--load: {path} was trained with --optimizer {was} and this run asks for --optimizer {now}; "
+            f"the optimizer state of one cannot become the other's: resume with --optimizer {was}")
 
 
 def check_save_target(save_root: Optional[pathlib.Path], rank: int, resume: Optional[pathlib.Path]) -> None:

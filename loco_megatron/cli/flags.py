@@ -86,7 +86,14 @@ def known_flags() -> list[str]:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             flags += [flag, "--no-" + flag[2:]] if scalar_type(hints[f.name]) is bool else [flag]
+            flags += [negative_flag(f)] if negative_flag(f) else []
     return flags
+
+
+def negative_flag(field: dataclasses.Field) -> str:
+    """Megatron-LM's own spelling of a bool field's ``--no-X`` (``--muon-no-split-qkv``), or ""."""
+    name = field.metadata.get("negative")
+    return "--" + name.replace("_", "-") if name else ""
 
 
 def metavar_of(field: dataclasses.Field, typ: type) -> str:
@@ -122,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
             help_ = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
             if typ is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+                if negative_flag(f):
+                    group.add_argument(negative_flag(f), dest=f.name, action="store_false",
+                                       help=f"Megatron-LM's spelling of --no-{flag[2:]}")
             else:
                 # Choices are shown, not enforced here: the dataclass check gives the one-line error.
                 group.add_argument(flag, dest=f.name, type=typ, metavar=metavar_of(f, typ), help=help_)

@@ -10,8 +10,16 @@ from loco_megatron.config.base import check_choices, choice, require
 
 @dataclasses.dataclass
 class OptimizerConfig:
+    optimizer: str = choice("adam", ("adam", "muon"))
+    """adam: megatron-core's AdamW (decoupled weight decay) on every parameter, its distributed
+    optimizer with --use-distributed-optimizer. muon: Muon (momentum orthogonalised by a
+    Newton-Schulz iteration) on the 2-D matrices of the transformer layers and AdamW on the
+    rest (embeddings, output layer, norms, biases), sharded over the data-parallel ranks by
+    whole parameters (megatron-core's layer-wise optimizer, Megatron-LM's --optimizer
+    dist_muon; needs --use-distributed-optimizer); see docs/training.md, Muon."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (with --optimizer muon: of both Muon and AdamW; Muon's update is
+    scaled by --muon-scale-mode and --muon-extra-scale-factor)."""
     min_lr: float = 1e-4
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
@@ -30,6 +38,27 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    muon_momentum: float = 0.95
+    """Muon: the momentum of its inner SGD (an exponential moving average of the gradients)."""
+    muon_use_nesterov: bool = False
+    """Muon: Nesterov momentum (orthogonalise ``lerp(grad, momentum, beta)`` instead of the momentum)."""
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per orthogonalisation (torch.optim.Muon's, Keller Jordan's coefficients)."""
+    muon_scale_mode: str = choice("spectral", ("spectral", "shape_scaling", "unit_rms_norm"))
+    """Muon: the update's scale for an m x n matrix: spectral sqrt(max(m, n)) (an update of RMS 1, before
+    --muon-extra-scale-factor), shape_scaling sqrt(max(1, m / n)) (Keller Jordan's), unit_rms_norm sqrt(m / n)."""
+    muon_extra_scale_factor: float = 0.2
+    """Muon: a factor on the scaled update. 0.2 with the spectral scale gives Muon's updates the RMS of
+    AdamW's (Moonshot's recipe, arXiv 2502.16982), so AdamW's --lr and --weight-decay carry over (Megatron-LM
+    defaults to 1.0; see docs/training.md for the measured choice)."""
+    muon_tp_mode: str = choice("blockwise", ("blockwise", "duplicated"))
+    """Muon under tensor parallelism: blockwise orthogonalises each TP rank's slice of a matrix on its own;
+    duplicated all-gathers the slices over the TP group and orthogonalises the whole matrix on every TP rank.
+    (Megatron-LM's distributed mode needs the emerging-optimizers package's Newton-Schulz.)"""
+    muon_split_qkv: bool = dataclasses.field(default=True, metadata={"negative": "muon_no_split_qkv"})
+    """Muon: orthogonalise the fused QKV matrix's query, key and value parts of each query group as
+    separate matrices (megatron-core's split); --no-muon-split-qkv (Megatron-LM's --muon-no-split-qkv):
+    the fused matrix as one."""
     lr_warmup_fraction: Optional[float] = None
     """Linear warmup as a fraction of the decay iterations (Megatron-LM's flag); replaces
     --lr-warmup-iters. A flag given on the command line overrides the other one's value
@@ -52,6 +81,9 @@ class OptimizerConfig:
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters", "must be >= 0")
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
+        require(0 <= self.muon_momentum < 1, "muon_momentum", "must be in [0, 1)")
+        require(self.muon_num_ns_steps >= 1, "muon_num_ns_steps", "must be >= 1")
+        require(self.muon_extra_scale_factor > 0, "muon_extra_scale_factor", "must be positive")
         if self.lr_warmup_fraction is not None:
             require(0.0 <= self.lr_warmup_fraction < 1.0, "lr_warmup_fraction", "must be in [0, 1)")
             require(self.lr_warmup_iters == 0, "lr_warmup_fraction", "give either it or --lr-warmup-iters, not both")

@@ -75,6 +75,8 @@ class Config:
                      "sequence_parallel", "is required with expert parallelism and tensor parallelism together")
         if p.grad_reduce_in_bf16:
             require(m.bf16, "grad_reduce_in_bf16", "needs --bf16")
+        if self.optimizer.optimizer == "muon":
+            self._check_muon()
         if self.loco.param_gather_bits:
             require(p.use_distributed_optimizer, "param_gather_bits", "needs --use-distributed-optimizer")
         if p.use_megatron_fsdp:
@@ -127,6 +129,32 @@ class Config:
                      "with --use-megatron-fsdp LoCo compresses HSDP's cross-node replica reduction: give "
                      "--num-distributed-optimizer-instances = number of nodes")
 
+    @property
+    def megatron_distributed_optimizer(self) -> bool:
+        """Whether megatron-core's distributed optimizer (ZeRO-1 over flat buffer shards) runs:
+        --use-distributed-optimizer with --optimizer adam. With --optimizer muon the flag
+        shards by whole parameters instead (megatron-core's layer-wise optimizer), and DDP
+        all-reduces whole gradients."""
+        return self.parallel.use_distributed_optimizer and self.optimizer.optimizer == "adam"
+
+    def _check_muon(self) -> None:
+        """What --optimizer muon does not combine with (see docs/training.md, Muon)."""
+        p = self.parallel
+        require(not p.use_megatron_fsdp, "optimizer",
+                "muon is not supported with --use-megatron-fsdp: Megatron-FSDP shards every matrix across the "
+                "data-parallel ranks and Muon's Newton-Schulz needs whole matrices (megatron-core's Muon refuses "
+                "its distributed optimizers too); leave out --use-megatron-fsdp (Muon shards by whole parameters)")
+        require(p.use_distributed_optimizer, "optimizer",
+                "muon runs in megatron-core's layer-wise distributed optimizer (Megatron-LM's --optimizer dist_muon: "
+                "each data-parallel rank steps whole parameters and gathers them); leave out "
+                "--no-use-distributed-optimizer")
+        require(not self.loco.param_gather_bits, "param_gather_bits",
+                "compresses the distributed optimizer's all-gather of flat parameter shards; --optimizer muon's "
+                "layer-wise optimizer all-gathers whole updated parameters at their dtype: give 0")
+        require(not p.overlap_param_gather, "overlap_param_gather",
+                "is the distributed optimizer's; --optimizer muon's layer-wise optimizer all-gathers the updated "
+                "parameters right after its step")
+
     def _check_diloco(self) -> None:
         """What --diloco-replicas does not combine with (see docs/diloco.md)."""
         p, d = self.parallel, self.diloco
@@ -134,7 +162,8 @@ class Config:
                 "is not supported with --use-megatron-fsdp (its HSDP already uses megatron-core's "
                 "distributed-optimizer instances, which are DiLoCo's replicas here): use the distributed optimizer")
         require(p.use_distributed_optimizer, "diloco_replicas",
-                "needs --use-distributed-optimizer (the outer step works on its fp32 main-parameter shards)")
+                "needs --use-distributed-optimizer (the outer step works on its fp32 main-parameter shards; "
+                "with --optimizer muon on the layer-wise optimizer's whole parameters)")
         require(p.num_distributed_optimizer_instances == 1, "num_distributed_optimizer_instances",
                 "must be 1 with --diloco-replicas (the replicas are the distributed-optimizer instances)")
         require(d.diloco_fragments <= self.model.num_layers, "diloco_fragments",

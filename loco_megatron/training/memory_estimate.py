@@ -8,7 +8,10 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
 * optimizer: fp32 main params + Adam moments, 12 bytes per parameter with --bf16 (8 in
   fp32, where the weights are the main params), divided by the data-parallel size that
   shards it with --use-distributed-optimizer: the dense DP for dense parameters, the
-  expert DP (world / (ETP x EP x PP)) for expert ones;
+  expert DP (world / (ETP x EP x PP)) for expert ones. --optimizer muon: Muon's matrices
+  (:func:`muon_parameter_count`) keep one momentum (4 bytes, 8 with --bf16's main param)
+  instead of Adam's two; the layer-wise optimizer deals whole parameters, so a rank's
+  share is about 1 / DP of it (it differs by up to the largest parameter);
 * LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
   gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
   rank's compressed parameters, plus its send/receive payloads), for the gradients LoCo
@@ -64,6 +67,40 @@ def expert_parameter_count(config: Config) -> int:
     up = 2 if m.swiglu else 1
     bias = 0 if m.swiglu else f * up + m.hidden_size
     return m.num_layers * m.num_experts * (m.hidden_size * f * up + f * m.hidden_size + bias)
+
+
+def muon_parameter_count(config: Config) -> tuple[int, int]:
+    """(dense, expert) parameters of the whole model that --optimizer muon gives Muon: the
+    2-D matrices of the transformer layers (QKV, output projection, the MLP's or each
+    expert's, the router), see :func:`loco_megatron.optimizer.muon_split`."""
+    from loco_megatron.training.flops import _dims
+
+    m = config.model
+    h = m.hidden_size
+    h_q, h_kv, f_moe = _dims(m)
+    attn = h * (h_q + 2 * h_kv) + h_q * h
+    up = 2 if m.swiglu else 1
+    if m.num_experts is None:
+        return m.num_layers * (attn + h * m.ffn_hidden_size * (up + 1)), 0
+    return m.num_layers * (attn + h * m.num_experts), m.num_layers * m.num_experts * h * f_moe * (up + 1)
+
+
+def optimizer_line(config: Config, est: dict) -> str:
+    """One line: the optimizer, what it keeps per parameter and its memory per GPU
+    (``est``: :func:`estimate`'s)."""
+    p, bf16 = config.parallel, config.model.bf16
+    main = " + an fp32 main weight 4 B" if bf16 else ""
+    mib = est["optimizer"] / 2**20
+    where = f"{mib:.1f} MiB per GPU (estimate)" if mib < 1024 else f"{mib / 1024:.1f} GiB per GPU (estimate)"
+    if config.optimizer.optimizer == "adam":
+        how = ("megatron-core's distributed optimizer (flat shards over the data-parallel ranks)"
+               if p.use_distributed_optimizer else "every data-parallel rank holding all of it")
+        return f"optimizer: AdamW on {est['params']:,} parameters (2 moments: 8 B per parameter{main}), {how}: {where}"
+    muon = sum(est["muon_params"])
+    how = "layer-wise over the data-parallel ranks (whole parameters each)"
+    return (f"optimizer: Muon on {muon:,} parameters (the transformer layers' matrices; momentum: 4 B per parameter"
+            f"{main}) and AdamW on {est['params'] - muon:,} (embeddings, output layer, norms, biases; 8 B per "
+            f"parameter{main}), {how}: {where}")
 
 
 def _activations(config: Config) -> float:
@@ -134,6 +171,10 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     replicas = config.diloco.replicas_in_world or 1  # DiLoCo: the optimizer shards inside a replica
     shard = (dp // replicas, (expert_dp or replicas) // replicas) if p.use_distributed_optimizer else (1, 1)
     optimizer_bytes = 12 if m.bf16 else 8
+    muon_dense, muon_experts = muon_parameter_count(config) if config.optimizer.optimizer == "muon" else (0, 0)
+    # (Muon's matrices keep one 4-byte momentum where Adam keeps two moments)
+    dense_state = optimizer_bytes * dense_here - 4 * muon_dense / (tp * pp)
+    expert_state = optimizer_bytes * experts_here - 4 * muon_experts / (etp * ep * pp)
     weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)
     block = lc.loco_block_size
     dense_loco, expert_loco = compressed_groups(config, dp, expert_dp) if lc.loco_bits else (False, False)
@@ -142,7 +183,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     out = {
         "weights": weight_bytes * here,
         "grads": grad_bytes * here,
-        "optimizer": optimizer_bytes * (dense_here / shard[0] + experts_here / shard[1]),
+        "optimizer": dense_state / shard[0] + expert_state / shard[1],
         "loco_error": compressed * (1 + 4 / block),
         "loco_workspace": 2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block),
         "diloco": outer_memory_bytes(config, dense_here / shard[0] + experts_here / shard[1]),
@@ -151,7 +192,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     if p.use_megatron_fsdp:
         out.update(_fsdp_parts(config, here, dp, vocab, weight_bytes, grad_bytes, optimizer_bytes))
     out["total"] = sum(out[k] for k in PARTS)
-    out.update(params=total, dp=dp, expert_dp=expert_dp)
+    out.update(params=total, dp=dp, expert_dp=expert_dp, muon_params=(muon_dense, muon_experts))
     return out
 
 

@@ -21,7 +21,7 @@ from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.hub import InputNotHere
 from loco_megatron.data.tokenizer import load_tokenizer
 from loco_megatron.diloco.layout import check_replicas, describe
-from loco_megatron.training.memory_estimate import compressed_groups, estimate, estimate_line
+from loco_megatron.training.memory_estimate import compressed_groups, estimate, estimate_line, optimizer_line
 
 # loco_megatron.model and .summary import torch (seconds on a busy machine): they are imported
 # where used, after the checks that need neither, so a bad layout or a missing tokenizer is
@@ -140,6 +140,7 @@ def dry_run(config: Config, world_size: int, offline: bool = False, world_source
     if config.loco.enabled:
         loco = loco_compresses_nothing(config) if compresses_nothing(config, dp, expert_dp) else loco_settings(config)
     world = f"world size {world_size}" + (f" ({world_source})" if world_source else "")
+    est = estimate(config, world_size, vocab)
     lines = [
         f"dry run: the config and the layout for {world} are valid; no process was started",
         model_line(config, padded, f", vocabulary {source}"),
@@ -147,7 +148,8 @@ def dry_run(config: Config, world_size: int, offline: bool = False, world_source
         batch_line(config, dp),
         loco,
         *([describe(config, world_size)] if config.diloco.enabled else []),
-        estimate_line(estimate(config, world_size, vocab)),
+        optimizer_line(config, est),
+        estimate_line(est),
     ]
     if config.model.transformer_impl == "transformer_engine":
         try:

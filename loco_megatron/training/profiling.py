@@ -11,7 +11,8 @@ Ranges (also NVTX ranges on CUDA, for Nsight Systems):
 * ``grad_sync/launch``, ``grad_sync/wait``: each bucket group's gradient collective
   launch and the wait for it (the collectives themselves appear as ``gloo:``/``nccl:``
   events inside);
-* ``param_gather``: the distributed optimizer's parameter all-gather;
+* ``param_gather``: the distributed (or layer-wise) optimizer's parameter all-gather;
+* ``muon/newton_schulz``: each orthogonalisation of --optimizer muon (with its TP gather);
 * ``optimizer_step``: the optimizer step.
 
 Nothing is wrapped on ranks that are not profiled.
@@ -103,13 +104,15 @@ class Profiler:
         """A named range (no-op when this rank is not profiled)."""
         return _Range(name, self.nvtx) if self.active else contextlib.nullcontext()
 
-    def instrument(self, chunks: list, grad_sync) -> None:
-        """Install the ranges around megatron's phases, LoCo and the collectives."""
+    def instrument(self, chunks: list, grad_sync, optimizer=None) -> None:
+        """Install the ranges around megatron's phases, LoCo, the collectives and (Muon) the
+        Newton-Schulz iterations."""
         if not self.active:
             return
         chunks[0].config.timers = _PhaseTimers(self.nvtx)  # megatron's phase timers (public config)
-        if hasattr(grad_sync, "instrument"):  # LoCo and the bucket groups' sync, via the hook
-            grad_sync.instrument(lambda obj, attr, name: _wrap(obj, attr, name, self.nvtx))
+        for part in (grad_sync, optimizer):  # LoCo and the bucket groups' sync via the hook; Muon's
+            if hasattr(part, "instrument"):
+                part.instrument(lambda obj, attr, name: _wrap(obj, attr, name, self.nvtx))
 
     def before_step(self, iteration: int) -> None:
         """``iteration``: the 1-based number of the step about to run."""

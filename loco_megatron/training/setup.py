@@ -114,7 +114,9 @@ def layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
             **({"fsdp": [p.data_parallel_sharding_strategy, p.num_distributed_optimizer_instances]}
                if p.use_megatron_fsdp else {}),
             # DiLoCo: each replica's shards are its own (the same rank order only).
-            **({"diloco_replicas": config.diloco.replicas_in_world} if config.diloco.enabled else {})}
+            **({"diloco_replicas": config.diloco.replicas_in_world} if config.diloco.enabled else {}),
+            # Another optimizer's state cannot be resumed (only when not AdamW: older checkpoints have none).
+            **({"optimizer": config.optimizer.optimizer} if config.optimizer.optimizer != "adam" else {})}
 
 
 def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelLayout, sources,
@@ -130,9 +132,9 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
     # Another model shape (torch format: layout, or a bad rank file) is refused before the build.
     resume = ckpt.find_resume_dir(collective=True)
     chunks = build_model(config, vocab, device)
-    optimizer = build_optimizer(config, chunks)
-    scheduler = build_scheduler(config, optimizer)
     comm_stats = CommStats(clock_for(device))
+    optimizer = build_optimizer(config, chunks, comm_stats)
+    scheduler = build_scheduler(config, optimizer)
     # Before the grad hook, which then times the (compressed) parameter gather.
     if config.parallel.use_megatron_fsdp:
         grad_sync_factory, param_sync_factory = fsdp_factories(grad_sync_factory is GradSyncHook, grad_sync_factory,
@@ -152,7 +154,7 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
             parallel_state.get_tensor_model_parallel_group(), getattr(grad_sync, "ops", TORCH_OPS))
     configure_schedules(chunks, optimizer, replicas)
     profiler = Profiler(config.logging, layout.rank, device)
-    profiler.instrument(chunks, grad_sync)
+    profiler.instrument(chunks, grad_sync, optimizer)
 
     train_ds, valid_ds = build_datasets(config, sources, cache_dir)
     # Elastic DiLoCo: this job trains its replica's share of each step's global batch (fixed:

@@ -37,10 +37,15 @@ class ModelState:
 
 class OptimizerState:
     """Per-rank optimizer state: for the distributed optimizer, this rank's shard of the
-    fp32 main params and Adam moments (megatron's "dp_reshardable" representation)."""
+    fp32 main params and Adam moments (megatron's "dp_reshardable" representation); for
+    --optimizer muon, each sub-optimizer's own (megatron's Float16/FP32 wrappers: the state
+    of the parameters this rank owns, in their order)."""
 
     def __init__(self, optimizer):
+        from loco_megatron.optimizer.layer_wise import owned
+
         self.optimizer = optimizer
+        self._layer_wise = owned(optimizer) is not None
 
     def state_dict(self) -> list:
         out = []
@@ -60,9 +65,12 @@ class OptimizerState:
     def sharded_state_dict(self, model_sd: dict, is_loading: bool) -> dict:
         """torch_dist: per sub-optimizer, the distributed optimizer's state in model space
         (see :mod:`loco_megatron.checkpoint.dist_optimizer`), or megatron's own sharded
-        state for the non-distributed optimizers."""
-        from loco_megatron.checkpoint import dist_optimizer
+        state for the non-distributed optimizers; --optimizer muon's layer-wise optimizer
+        in model space too (:mod:`loco_megatron.checkpoint.layer_wise`)."""
+        from loco_megatron.checkpoint import dist_optimizer, layer_wise
 
+        if self._layer_wise:
+            return layer_wise.sharded_state_dict(self.optimizer, model_sd, is_loading)
         out = {}
         for i, opt in enumerate(sub_optimizers(self.optimizer)):
             if hasattr(opt, "get_parameter_state_dp_zero"):
@@ -74,8 +82,10 @@ class OptimizerState:
     @torch.no_grad()  # megatron copies into views of leaf params
     def load_state_dict(self, sd) -> None:
         """``sd``: this class's per-rank list (torch format), or the loaded sharded state (torch_dist)."""
-        from loco_megatron.checkpoint import dist_optimizer
+        from loco_megatron.checkpoint import dist_optimizer, layer_wise
 
+        if self._layer_wise and not isinstance(sd, list):
+            return layer_wise.load_state_dict(self.optimizer, sd)
         for i, opt in enumerate(sub_optimizers(self.optimizer)):
             if isinstance(sd, list):
                 opt.load_state_dict(sd[i]["optimizer"])

@@ -120,7 +120,12 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         lines.append(f"LoCo: off; no data-parallel group of more than one rank{inside}: no gradients are "
                      f"reduced between ranks at each step")
     else:
-        lines.append(f"LoCo: off; rank 0 reduce-scatters {raw / 2**20:.2f} MiB of gradients per step")
+        verb = "reduce-scatters" if config.megatron_distributed_optimizer else "all-reduces"
+        lines.append(f"LoCo: off; rank 0 {verb} {raw / 2**20:.2f} MiB of gradients per step")
+    if config.optimizer.optimizer != "adam":  # (what --dry-run prints for every optimizer)
+        from loco_megatron.training.memory_estimate import estimate, optimizer_line
+
+        lines.append(optimizer_line(config, estimate(config, layout.world_size, vocab_size)))
     if lc.enabled or lc.param_gather_bits:
         popts = f"{lc.param_gather_bits}-bit {'/'.join(lc.param_gather_options().values())}"
         lines.append(kernels_line(lc.loco_kernels, lc.enabled, lc.param_gather_bits, kernels_why, popts))

@@ -6,13 +6,17 @@
   group), so the mean over the replica's ranks needs ``R`` times that factor.
 * :func:`main_shards`: per (dense, expert) distributed optimizer, its fp32 main
   parameters: this rank's shard of each model parameter, as 1-D views the outer step
-  reads and writes in place.
+  reads and writes in place (per Muon / AdamW sub-optimizer of --optimizer muon: the
+  whole parameters this rank owns).
 * :func:`run_in_optimizer_step`: run the outer update *as* a megatron optimizer step: the
   inner torch optimizer's ``step`` is swapped for the outer update and megatron's own
   ``step_with_ready_grads`` does the rest, exactly as after an Adam step: the main
   parameters are copied to the model's (bf16) weights and all-gathered inside the
   replica (at once, or with the next forward under ``--overlap-param-gather``; through
   ``--param-gather-bits`` when it is on, whose step wrapper then sees the update coming).
+  Under --optimizer muon the same holds for each sub-optimizer (Muon and AdamW) of the
+  layer-wise optimizer, whose ``step_with_ready_grads`` then all-gathers the whole
+  parameters each rank owns inside the replica (:mod:`loco_megatron.optimizer.layer_wise`).
 """
 
 from __future__ import annotations
@@ -39,8 +43,17 @@ def main_shards(optimizer) -> list[list[tuple[torch.nn.Parameter, int, int, torc
     for every parameter this rank holds a shard of: ``main view`` is the fp32 1-D main
     parameter the distributed optimizer steps (for fp32 models a view of the model's own
     buffer), elements ``[start, end)`` of the flattened local (TP/PP/EP) parameter. A stub
-    optimizer (no parameters on this rank) gives an empty list."""
+    optimizer (no parameters on this rank) gives an empty list. --optimizer muon (the
+    layer-wise optimizer, each rank of a replica stepping whole parameters): per
+    sub-optimizer (Muon, then megatron's dense and expert AdamW), ``(param, 0, numel, main
+    view)`` for every parameter this rank owns, ``main view`` its fp32 main parameter
+    flattened (the model parameter itself in fp32)."""
     check_megatron_core_version()
+    from loco_megatron.optimizer.layer_wise import owned
+
+    whole = owned(optimizer)
+    if whole is not None:
+        return [[(param, 0, param.numel(), main.detach().view(-1)) for param, main in pairs] for pairs in whole]
     out = []
     for opt in sub_optimizers(optimizer):
         pairs = []

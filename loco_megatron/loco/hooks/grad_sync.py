@@ -292,6 +292,8 @@ class GradSyncHook:
             # two-hop both hops' rows, own rows included, as for flat LoCo (the intra/inter
             # split above counts only what goes to other ranks).
             gathered = sum(w.gather_bytes for w in ws)
+            # (the all-gather's rows go to every other rank of the group: split as a flat collective's)
+            self._split_bytes(group, gathered)
             self._record(ws, wait_start, wait_end, True,
                          sent + gathered + sum(w.bytes_handed for w in two_hop), raw)
 

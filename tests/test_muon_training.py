@@ -1,0 +1,117 @@
+"""--optimizer muon in real training on gloo ranks: which parameter goes to Muon, the
+layer-wise sharding over DP 1/2/4, the parameter all-gather across dtypes, a resume under
+another optimizer. Resumes at the same and at another layout: the combination matrix
+(test_matrix.py, its ``muon`` cells); Muon inside DiLoCo (MuLoCo): test_diloco.py; the update
+maths: test_muon.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run_launch, torchrun, torchrun_command
+
+MUON = TINY + ["--train-iters", "4", "--optimizer", "muon"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--position-embedding-type", "learned_absolute", "--bf16"]
+"""A model with experts, a router, a learned position table and mixed dtypes (bf16
+weights, fp32 norms)."""
+
+
+def _dump(folder, tag: str, world: int) -> list[dict]:
+    return [torch.load(folder / f"{tag}_rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """Dumps (tests/muon_dump.py) of the shared runs, by tag: ``one``, ``dp2``, ``dp4``: TINY
+    for 4 steps on 1, 2, 4 ranks; ``moe``:
+    :data:`MOE` on 2 ranks; and ``ckpt``, the folder ``dp2`` saved to at step 2."""
+    tmp = tmp_path_factory.mktemp("muon")
+    ckpt = tmp / "ckpt"
+    for tag, world, extra in (("one", 1, []), ("dp2", 2, ["--save", str(ckpt), "--save-interval", "2"]),
+                              ("dp4", 4, []), ("moe", 2, MOE)):
+        torchrun(world, [str(tmp), tag, *MUON, *extra], cache_dir, tmp, script="tests/muon_dump.py", name=tag)
+    out = {tag: _dump(tmp, tag, w) for tag, w in (("one", 1), ("dp2", 2), ("dp4", 4), ("moe", 2))}
+    out["ckpt"], out["moe_metrics"] = ckpt, read_metrics(tmp / "moe.jsonl")
+    return out
+
+
+def test_muon_takes_the_layers_matrices_and_adamw_the_rest(runs):
+    """Guards against Muon getting an embedding, the output layer or a norm (1-D or not a
+    hidden matrix: Newton-Schulz makes no sense there), or AdamW keeping a layer's matrix:
+    in a MoE model with a learned position table, Muon takes exactly
+    the 2-D weights of the transformer layers (attention, each expert's own fc1 and fc2, the
+    router), and the dry run's count of them is the run's."""
+    from loco_megatron.cli import parse_config
+    from loco_megatron.training.memory_estimate import muon_parameter_count
+
+    dump = runs["moe"][0]
+    muon = {n.removeprefix("module.") for n in dump["muon"]}
+    params = {n.split(".", 1)[1]: p for n, p in dump["params"].items()}
+    want = {n for n, p in params.items() if n.startswith("decoder.layers.") and p.dim() == 2}
+    assert muon == want
+    assert {"decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", "decoder.layers.1.mlp.router.weight",
+            "decoder.layers.0.self_attention.linear_qkv.weight"} <= muon
+    assert not any(("embedding" in n or "output_layer" in n or n.endswith(("bias", "layernorm.weight"))) for n in muon)
+    config = parse_config([*MUON, *MOE])
+    assert sum(params[n].numel() for n in muon) == sum(muon_parameter_count(config))
+
+
+def _names(dump: dict) -> list[str]:
+    return [n for pairs in dump["owned"] for n, _, _ in pairs]
+
+
+def test_layer_wise_sharding_gives_each_parameter_one_owner(runs):
+    """Guards against a parameter that no rank steps or that two ranks step, or a rank
+    owning part of one (DiLoCo's outer step and the checkpoint read these shards): over DP
+    1, 2 and 4 every parameter has exactly one owner, whole, and every rank owns some."""
+    for tag, world in (("one", 1), ("dp2", 2), ("dp4", 4)):
+        owners = [_names(d) for d in runs[tag]]
+        assert sorted(n for names in owners for n in names) == sorted(runs[tag][0]["params"]), tag
+        assert all(start == 0 and end == runs[tag][0]["params"][n].numel()
+                   for d in runs[tag] for pairs in d["owned"] for n, start, end in pairs)
+        assert all(len(names) > 0 for names in owners)
+
+
+def test_dp_2_and_4_track_one_rank(runs):
+    """Guards against the sharded optimizer computing another update than one rank would
+    (a parameter stepped twice or not at all, momentum of the wrong parameter, the
+    gradients averaged over the wrong ranks): after 4 steps the weights of DP 2 and DP 4
+    equal the one-rank run's to 2e-5 (the gradients are summed in another order, and
+    Newton-Schulz's bf16 rounding of its input carries that on; a wrong update moves a
+    weight by the 1e-4 of a step), and every rank of a run holds the same weights."""
+    one = runs["one"][0]["params"]
+    for tag in ("dp2", "dp4"):
+        for dump in runs[tag]:
+            assert all(torch.equal(dump["params"][n], runs[tag][0]["params"][n]) for n in one), tag
+        worst = max((runs[tag][0]["params"][n] - one[n]).abs().max().item() for n in one)
+        assert worst < 2e-5, (tag, worst)
+
+
+def test_mixed_dtypes_gather_each_at_its_own(runs):
+    """Guards against the layer-wise all-gather sending or rounding parameters at another
+    dtype: megatron-core's gathers every parameter in the dtype of the first one dealt (an
+    fp32 norm here: the bf16 matrices travel as fp32, twice their bytes; were it a bf16 one,
+    the fp32 norms would reach the other rank rounded). Under --bf16 both ranks end with the
+    same weights, bit for bit, and each step's comm/param_bytes_sent is the parameters'
+    own bytes (bf16 2, fp32 4 per element): the matrix (test_matrix.py) checks that count
+    against what reached the collective."""
+    a, b = (d["params"] for d in runs["moe"])
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    dtypes = runs["moe"][0]["dtypes"]
+    assert {"torch.bfloat16", "torch.float32"} <= set(dtypes.values())
+    own = sum(a[n].numel() * (2 if dtypes[n] == "torch.bfloat16" else 4) for n in a)
+    logged = [m["comm/param_bytes_sent"] for m in runs["moe_metrics"] if "comm/param_bytes_sent" in m]
+    assert logged and all(x == own for x in logged), (own, logged)
+
+
+def test_another_optimizer_cannot_resume_a_muon_checkpoint(runs, cache_dir, tmp_path):
+    """Guards against a resume that silently mixes optimizers (AdamW starting its moments
+    from zero on Muon's checkpoint, or failing deep inside the loader): --optimizer adam on
+    a Muon checkpoint is refused in one line naming both, before any step."""
+    cmd, env = torchrun_command(2, [*TINY, "--train-iters", "4", "--load", str(runs["ckpt"])], cache_dir,
+                                tmp_path / "m.jsonl")
+    proc = run_launch(cmd, env, 300)
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")}
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert "was trained with --optimizer muon and this run asks for --optimizer adam" in errors.pop()
