@@ -12,9 +12,11 @@ import torch
 from conftest import TINY, read_metrics, run_launch, torchrun, torchrun_command
 
 MUON = TINY + ["--train-iters", "4", "--optimizer", "muon"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--position-embedding-type", "learned_absolute", "--bf16"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--position-embedding-type", "learned_absolute", "--bf16",
+       "--expert-model-parallel-size", "2"]
 """A model with experts, a router, a learned position table and mixed dtypes (bf16
 weights, fp32 norms)."""
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--muon-tp-mode", "duplicated", "--bf16"]
 
 
 def _dump(folder, tag: str, world: int) -> list[dict]:
@@ -24,14 +26,15 @@ def _dump(folder, tag: str, world: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """Dumps (tests/muon_dump.py) of the shared runs, by tag: ``one``, ``dp2``, ``dp4``: TINY
-    for 4 steps on 1, 2, 4 ranks; ``moe``:
-    :data:`MOE` on 2 ranks; and ``ckpt``, the folder ``dp2`` saved to at step 2."""
+    for 4 steps on 1, 2, 4 ranks; ``moe``: :data:`MOE` on 2 ranks (EP 2); ``tp2``: TP 2 with
+    sequence parallelism, --muon-tp-mode duplicated, bf16; and ``ckpt``, the folder ``dp2``
+    saved to at step 2."""
     tmp = tmp_path_factory.mktemp("muon")
     ckpt = tmp / "ckpt"
     for tag, world, extra in (("one", 1, []), ("dp2", 2, ["--save", str(ckpt), "--save-interval", "2"]),
-                              ("dp4", 4, []), ("moe", 2, MOE)):
+                              ("dp4", 4, []), ("moe", 2, MOE), ("tp2", 2, TP2)):
         torchrun(world, [str(tmp), tag, *MUON, *extra], cache_dir, tmp, script="tests/muon_dump.py", name=tag)
-    out = {tag: _dump(tmp, tag, w) for tag, w in (("one", 1), ("dp2", 2), ("dp4", 4), ("moe", 2))}
+    out = {tag: _dump(tmp, tag, w) for tag, w in (("one", 1), ("dp2", 2), ("dp4", 4), ("moe", 2), ("tp2", 2))}
     out["ckpt"], out["moe_metrics"] = ckpt, read_metrics(tmp / "moe.jsonl")
     return out
 
@@ -39,22 +42,22 @@ def runs(cache_dir, tmp_path_factory):
 def test_muon_takes_the_layers_matrices_and_adamw_the_rest(runs):
     """Guards against Muon getting an embedding, the output layer or a norm (1-D or not a
     hidden matrix: Newton-Schulz makes no sense there), or AdamW keeping a layer's matrix:
-    in a MoE model with a learned position table, Muon takes exactly
-    the 2-D weights of the transformer layers (attention, each expert's own fc1 and fc2, the
-    router), and the dry run's count of them is the run's."""
+    in a MoE model (EP 2) with a learned position table, Muon takes exactly the 2-D weights
+    of the transformer layers (attention, each expert's own fc1 and fc2, the router), and
+    the dry run's count of them is the run's (the dense ones once, each rank's experts)."""
     from loco_megatron.cli import parse_config
     from loco_megatron.training.memory_estimate import muon_parameter_count
 
-    dump = runs["moe"][0]
-    muon = {n.removeprefix("module.") for n in dump["muon"]}
-    params = {n.split(".", 1)[1]: p for n, p in dump["params"].items()}
-    want = {n for n, p in params.items() if n.startswith("decoder.layers.") and p.dim() == 2}
-    assert muon == want
-    assert {"decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", "decoder.layers.1.mlp.router.weight",
-            "decoder.layers.0.self_attention.linear_qkv.weight"} <= muon
-    assert not any(("embedding" in n or "output_layer" in n or n.endswith(("bias", "layernorm.weight"))) for n in muon)
-    config = parse_config([*MUON, *MOE])
-    assert sum(params[n].numel() for n in muon) == sum(muon_parameter_count(config))
+    count = 0
+    for rank, dump in enumerate(runs["moe"]):
+        muon = {n.removeprefix("module.") for n in dump["muon"]}
+        params = {n.split(".", 1)[1]: p for n, p in dump["params"].items()}
+        assert muon == {n for n, p in params.items() if n.startswith("decoder.layers.") and p.dim() == 2}
+        assert {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", "decoder.layers.1.mlp.router.weight",
+                "decoder.layers.0.self_attention.linear_qkv.weight"} <= muon
+        assert not any(("embedding" in n or "output_layer" in n or "layernorm" in n) for n in muon)
+        count += sum(params[n].numel() for n in muon if ".experts." in n or rank == 0)
+    assert count == sum(muon_parameter_count(parse_config([*MUON, *MOE])))
 
 
 def _names(dump: dict) -> list[str]:
@@ -93,14 +96,16 @@ def test_mixed_dtypes_gather_each_at_its_own(runs):
     dtype: megatron-core's gathers every parameter in the dtype of the first one dealt (an
     fp32 norm here: the bf16 matrices travel as fp32, twice their bytes; were it a bf16 one,
     the fp32 norms would reach the other rank rounded). Under --bf16 both ranks end with the
-    same weights, bit for bit, and each step's comm/param_bytes_sent is the parameters'
-    own bytes (bf16 2, fp32 4 per element): the matrix (test_matrix.py) checks that count
-    against what reached the collective."""
+    same dense weights, bit for bit, and each step's comm/param_bytes_sent is those
+    parameters' own bytes (bf16 2, fp32 4 per element; the experts, EP 2, are each rank's
+    own and gather nothing): the matrix (test_matrix.py) checks that count against what
+    reached the collective."""
     a, b = (d["params"] for d in runs["moe"])
-    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    dense = [n for n in a if ".experts." not in n]
+    assert all(torch.equal(a[n], b[n]) for n in dense), [n for n in dense if not torch.equal(a[n], b[n])]
     dtypes = runs["moe"][0]["dtypes"]
-    assert {"torch.bfloat16", "torch.float32"} <= set(dtypes.values())
-    own = sum(a[n].numel() * (2 if dtypes[n] == "torch.bfloat16" else 4) for n in a)
+    assert {dtypes[n] for n in dense} == {"torch.bfloat16", "torch.float32"}
+    own = sum(a[n].numel() * (2 if dtypes[n] == "torch.bfloat16" else 4) for n in dense)
     logged = [m["comm/param_bytes_sent"] for m in runs["moe_metrics"] if "comm/param_bytes_sent" in m]
     assert logged and all(x == own for x in logged), (own, logged)
 
@@ -115,3 +120,30 @@ def test_another_optimizer_cannot_resume_a_muon_checkpoint(runs, cache_dir, tmp_
     errors = {line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")}
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
     assert "was trained with --optimizer muon and this run asks for --optimizer adam" in errors.pop()
+
+
+def test_bf16_main_parameters_keep_the_marks_muon_reads(runs):
+    """Guards against Muon losing the QKV split and the expert TP group under --bf16:
+    megatron's Float16 wrapper makes fp32 main parameters without the model parameter's
+    ``is_qkv`` and ``expert_tp`` marks, which megatron-core's Muon reads from the parameter it
+    steps; every main parameter a rank owns carries its model parameter's marks (the QKV
+    matrices ``is_qkv``, the experts' ``expert_tp``)."""
+    for tag in ("moe", "tp2"):
+        for dump in runs[tag]:
+            for name, (qkv, expert) in dump["marks"].items():
+                assert qkv == name.endswith("linear_qkv.weight"), (tag, name)
+                assert expert == (".experts." in name), (tag, name)
+        assert any(q for d in runs[tag] for q, _ in d["marks"].values()), tag
+    assert any(e for d in runs["moe"] for _, e in d["marks"].values())
+
+
+def test_tensor_parallel_duplicated_with_sequence_parallelism(runs):
+    """Guards against --muon-tp-mode duplicated under TP 2 with sequence parallelism
+    updating the parameters TP replicates differently on the two TP ranks (their gradients
+    are reduced over the TP group first; an update that read a rank's own slice only would
+    differ) or failing to train: the norms are bit-identical across the TP ranks and the
+    weights moved."""
+    a, b = (d["params"] for d in runs["tp2"])
+    norms = [n for n in a if "layernorm" in n]
+    assert norms and all(torch.equal(a[n], b[n]) for n in norms)
+    assert any(not torch.equal(a[n], b[n]) for n in a if n.endswith("linear_qkv.weight"))  # (its TP slices)
