@@ -26,7 +26,10 @@ data-parallel Muon); MuLoCo 4-/2-bit against MuLoCo fp32; Muon + LoCo 4-bit agai
     python benchmarks/muon.py --out results/muon ... --report-only   # the tables from the finished runs
     python benchmarks/muon.py --smoke --out /tmp/muon                 # seconds-scale check of the plumbing
     nice -n 10 python benchmarks/muon.py --out results/muon --speed 3   # the step-time ratio (speed.md)
+    nice -n 10 python benchmarks/muon.py --out results/muon_scales --iters 512 --seeds 1234 --scales 0.2,0.5,1
 
+``--scales 0.2,0.5,1``: Muon at each extra scale factor and AdamW at each LR of ``--scale-lrs``
+on one seed (``scales.md``): the measurement behind --muon-extra-scale-factor's default.
 ``--speed PAIRS``: Muon's step time against AdamW's at the default model (configs/tiny_gpt.yaml
 on 2 ranks), alternating runs so a change in the machine's load hits both, and the share of
 Muon's step spent in Newton-Schulz (``--profile``'s ``muon/newton_schulz`` ranges).
@@ -146,6 +149,28 @@ def speed(out: pathlib.Path, pairs: int, iters: int, timeout: float) -> list[str
             f"{opt_share['muon'] * 100:.1f}% of Muon's (profiled steps 6-10, rank 0)", ""]
 
 
+def scales_table(finals: dict, scales: list[str], lrs: list[str], seed: int, iters: int) -> list[str]:
+    """``scales.md``: AdamW and Muon at each --muon-extra-scale-factor, at each --lr (one seed):
+    which factor makes adding --optimizer muon to an AdamW command at the same --lr no worse."""
+    head = ["| --lr | AdamW | " + " | ".join(f"Muon, factor {x}" for x in scales) + " |", "|---|---|" + "---|" * len(scales)]
+    rows, wins = [], {x: [] for x in scales}
+    for lr in lrs:
+        adam = finals.get(("fp32", lr), {}).get(seed)
+        cells = []
+        for x in scales:
+            m = finals.get((f"muon-x{x}", lr), {}).get(seed)
+            if m is None:
+                cells.append("")
+                continue
+            if adam is not None:
+                wins[x].append(m <= adam)
+            cells.append(f"{m:.4f}" + (f" ({100 * (m - adam) / adam:+.2f}%)" if adam is not None else ""))
+        rows.append(f"| {lr} | {'' if adam is None else f'{adam:.4f}'} | " + " | ".join(cells) + " |")
+    verdict = [f"factor {x}: no worse than AdamW at {sum(w)} of the {len(w)} LRs both ran" for x, w in wins.items() if w]
+    return [f"# Muon's extra scale factor: final eval loss after {iters} steps, seed {seed} (in brackets: against "
+            "AdamW at the same --lr)", "", *head, *rows, "", *(f"- {v}" for v in verdict), ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -161,6 +186,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--report-only", action="store_true", help="no runs: the tables from the finished runs")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 16 steps, one seed, two LRs per grid")
+    ap.add_argument("--scales", default="",
+                    help="instead of the study: Muon at each of these --muon-extra-scale-factor values and AdamW, at "
+                         "each LR of --scale-lrs, on the first of --seeds (scales.md)")
+    ap.add_argument("--scale-lrs", default="1e-3,2e-3,4e-3,8e-3")
     ap.add_argument("--speed", type=int, default=0, metavar="PAIRS",
                     help="instead of the study: the step-time ratio, PAIRS alternating AdamW/Muon runs (speed.md)")
     ap.add_argument("--speed-iters", type=int, default=40)
@@ -182,6 +211,8 @@ def main() -> None:
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                  "--eval-interval", "16", "--eval-iters", "1", "--log-interval", "8"]
+    if args.scales:
+        return run_scales(args, model)
     h = args.inner_steps
     if f"dl0-h{h}" not in quality.VARIANTS:
         sys.exit(f"error: --inner-steps: quality.py has no DiLoCo variants for H={h}")
@@ -239,6 +270,33 @@ def main() -> None:
     (out / "muon.md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(out / "muon.md")
+
+
+def run_scales(args, model: list) -> None:
+    """The ``--scales`` stage (see :func:`scales_table`); ``--report-only``: from the finished runs."""
+    import outer_lr
+
+    scales, lrs = _floats(args.scales, "--scales"), _floats(args.scale_lrs, "--scale-lrs")
+    seed = _ints(args.seeds, "--seeds")[0]
+    out = pathlib.Path(args.out)
+    for sub in ("runs", "logs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    finals: dict = {}
+    for lr in lrs:
+        for variant, flags in [("fp32", quality.VARIANTS["fp32"][1])] + [
+                (f"muon-x{x}", [*quality.VARIANTS["muon"][1], "--muon-extra-scale-factor", x]) for x in scales]:
+            name = f"{variant}-lr{lr}_seed{seed}"
+            if args.report_only:
+                final = outer_lr._finished(out / "runs" / f"{name}.jsonl", args.iters)
+            else:
+                print(f"scales: {name}", flush=True)
+                final = quality.run(out, name, [*model, *flags, "--lr", lr, "--train-iters", str(args.iters), "--seed",
+                                                str(seed)], args.timeout, 2, reuse=True).evals[-1]["eval/lm_loss"]
+            if final is not None:
+                finals.setdefault((variant, lr), {})[seed] = final
+    lines = scales_table(finals, scales, lrs, seed, args.iters)
+    (out / "scales.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

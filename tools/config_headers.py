@@ -8,8 +8,8 @@
 A header names its dry runs as command lines, ``# $ python pretrain_gpt.py --config
 configs/X.yaml --dry-run --world-size N [FLAGS]``; the indented ``#   `` lines under each are
 that dry run's output: the model, layout, LoCo and memory lines for the first command (the
-config as shipped, at its Slurm template's GPU count), the layout and memory lines for the
-others (alternatives, e.g. another TP). tests/test_layout.py fails when a header differs.
+config as shipped, at its Slurm template's GPU count), the layout, optimizer and memory lines
+for the others (alternatives, e.g. another TP, or --optimizer muon). tests/test_layout.py fails when a header differs.
 """
 
 import argparse
@@ -25,7 +25,7 @@ from loco_megatron.training.preflight import dry_run  # noqa: E402
 
 COMMAND = "# $ python pretrain_gpt.py "
 OUTPUT = "#   "
-SHOWN = (("model:", "layout:", "LoCo:", "memory per GPU"), ("layout:", "memory per GPU"))
+SHOWN = (("model:", "layout:", "LoCo:", "memory per GPU"), ("layout:", "optimizer:", "memory per GPU"))
 """The dry-run lines a header shows: for its first command, and for the alternatives."""
 
 

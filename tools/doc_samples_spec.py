@@ -139,6 +139,9 @@ RUNS: dict[str, Run] = {
                         "--tensor-model-parallel-size 2 \\\n    --expert-model-parallel-size 4 "
                         "--expert-tensor-parallel-size 1 --sequence-parallel"),
     "llama-header": Run("python pretrain_gpt.py --config configs/llama2_7b.yaml --dry-run"),
+    # training.md: Muon
+    "muon-dry": Run("python pretrain_gpt.py --dry-run --world-size 2 --optimizer muon --loco-bits 4"),
+    "muon-refused": Run("python pretrain_gpt.py --optimizer muon --param-gather-bits 4", exit_code=2),
     "render-error": Run("SLURM_JOB_NODELIST=a,b SLURM_NNODES=2 SLURM_GPUS_ON_NODE=8 python tools/launch.py render \\\n"
                         "    --config configs/mixtral_8x7b.yaml --run-dir runs/x; echo rc=$?"),
     # README, export.md: a PP 2 checkpoint and its export
@@ -263,6 +266,8 @@ SAMPLES: dict[str, Sample] = {
     "training-startup": Sample((Part("default", START_UP[1:], command=False),), "output"),
     "training-cp-error": Sample((Part("cp-error", (r"error:",)),), "console"),
     "training-latin": Sample((Part("latin"),), "console"),
+    "training-muon-dry": Sample((Part("muon-dry", (r"^optimizer:", r"^memory per GPU")),), "console"),
+    "training-muon-refused": Sample((Part("muon-refused", (r"error:",)),), "console"),
     "training-profile": Sample((Part("profile", (r"^iter \d+/", r"^profile:")),), "bash"),
     "loco-2bit": Sample((Part("loco-2bit", (r"^LoCo:", r"^iter 20 \| eval")),), "bash"),
     "loco-memory": Sample((Part("default", (r"^LoCo memory",), command=False),), "output"),

@@ -10,8 +10,9 @@ Bytes per GPU on the first pipeline stage (the fullest), for the run's own layou
   shards it with --use-distributed-optimizer: the dense DP for dense parameters, the
   expert DP (world / (ETP x EP x PP)) for expert ones. --optimizer muon: Muon's matrices
   (:func:`muon_parameter_count`) keep one momentum (4 bytes, 8 with --bf16's main param)
-  instead of Adam's two; the layer-wise optimizer deals whole parameters, so a rank's
-  share is about 1 / DP of it (it differs by up to the largest parameter);
+  instead of Adam's two; the layer-wise optimizer deals whole parameters, so the rank dealt
+  the word embedding (the first stage's largest parameter) holds all of its state and 1 / DP
+  of the rest (the figure given: the fullest rank);
 * LoCo (--loco-bits > 0): the error (int8 + one fp32 scale per block: 1 + 4/block bytes per
   gradient element) and the workspace (two fp32 copies of the largest bucket, at most the
   rank's compressed parameters, plus its send/receive payloads), for the gradients LoCo
@@ -97,7 +98,7 @@ def optimizer_line(config: Config, est: dict) -> str:
                if p.use_distributed_optimizer else "every data-parallel rank holding all of it")
         return f"optimizer: AdamW on {est['params']:,} parameters (2 moments: 8 B per parameter{main}), {how}: {where}"
     muon = sum(est["muon_params"])
-    how = "layer-wise over the data-parallel ranks (whole parameters each)"
+    how = "layer-wise over the data-parallel ranks (whole parameters: the rank with the word embedding)"
     return (f"optimizer: Muon on {muon:,} parameters (the transformer layers' matrices; momentum: 4 B per parameter"
             f"{main}) and AdamW on {est['params'] - muon:,} (embeddings, output layer, norms, biases; 8 B per "
             f"parameter{main}), {how}: {where}")
@@ -175,6 +176,12 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     # (Muon's matrices keep one 4-byte momentum where Adam keeps two moments)
     dense_state = optimizer_bytes * dense_here - 4 * muon_dense / (tp * pp)
     expert_state = optimizer_bytes * experts_here - 4 * muon_experts / (etp * ep * pp)
+    dense_share = dense_state / shard[0]
+    if config.optimizer.optimizer == "muon" and shard[0] > 1:
+        # Whole parameters: the rank dealt the word embedding (AdamW; the first stage's largest
+        # parameter) holds all of its state, the others share the rest.
+        largest = optimizer_bytes * vocab * m.hidden_size / tp
+        dense_share = (dense_state - largest) / shard[0] + largest
     weight_bytes, grad_bytes = (2 if m.bf16 else 4), (2 if p.grad_reduce_in_bf16 else 4)
     block = lc.loco_block_size
     dense_loco, expert_loco = compressed_groups(config, dp, expert_dp) if lc.loco_bits else (False, False)
@@ -183,7 +190,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     out = {
         "weights": weight_bytes * here,
         "grads": grad_bytes * here,
-        "optimizer": dense_state / shard[0] + expert_state / shard[1],
+        "optimizer": dense_share + expert_state / shard[1],
         "loco_error": compressed * (1 + 4 / block),
         "loco_workspace": 2 * 4 * bucket + 2 * bucket * (lc.loco_bits / 8 + 4 / block),
         "diloco": outer_memory_bytes(config, dense_here / shard[0] + experts_here / shard[1]),
