@@ -8,7 +8,12 @@ in every replica) and ``steps`` the ``[consumed samples, share offset, share sam
 rank, data ranks]`` each training step since the last line started from (the sample stream
 it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
 rank SIGKILLs itself right after launching its first outer exchange at iteration ``T``
-(mid-exchange: its peers are waiting on it). ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
+(mid-exchange: its peers are waiting on it). ``LOCO_TEST_FAULTS=PHASE@T=MODE,...``: the
+collective of ``PHASE`` ("fingerprint", "agreement", "outer"; "heal": taking a healed state)
+in the cycle at iteration ``T`` fails once on this replica, ``raise`` (never issued: the
+peers wait on it) or ``lost`` (it completes, then fails here only)
+(:attr:`~loco_megatron.diloco.elastic.coordinator.ElasticCoordinator.faults`); each
+injection appends ``{"at": "fault", ...}`` to the dump. ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
 ``LOCO_TEST_RELEASE=PATH``: after step ``Ti`` the rank waits until ``PATH.Ti`` exists (a
 test holds the live replicas before a sync point until a (re)started one is about to ask).
 Before its join every rank touches ``replica<R>_rank<K>.asking.<pid>`` in the dump folder.
@@ -82,6 +87,22 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         return done
 
     outer.join, outer.after_step, outer.finish = joined, after, finished
+    faults = {}
+    for item in filter(None, os.environ.get("LOCO_TEST_FAULTS", "").split(",")):
+        where, mode = item.split("=")
+        phase, at = where.split("@")
+        faults[phase, int(at)] = mode
+
+    def fault(phase: str):
+        mode = faults.pop((phase, outer._progress().get("iteration", 0)), None)
+        if mode:
+            with out.open("a") as f:
+                f.write(json.dumps({"at": "fault", "phase": phase, "mode": mode,
+                                    "iteration": outer._progress().get("iteration", 0)}) + "\n")
+        return mode
+
+    if faults:
+        outer.coordinator.faults = fault
     start = exchange.OuterChannel.start
 
     def start_then_die(self, delta):

@@ -231,7 +231,7 @@ def _trained(dumps: list[dict], gbs: int) -> dict[int, list[tuple[int, int]]]:
     """iteration (1-based) -> the sample ranges [first, end) of its global batch a job trained."""
     out: dict[int, list] = {}
     for d in dumps:
-        for consumed, offset, samples, _, _ in d["steps"]:
+        for consumed, offset, samples, _, _ in d.get("steps", []):
             out.setdefault(consumed // gbs + 1, []).append((offset, offset + samples))
     return out
 
@@ -394,7 +394,7 @@ def test_two_ranks_per_replica_exchange_rank_by_rank(cache_dir, tmp_path):
     the torchft groups getting in each other's way: 2 replica jobs of 2 ranks (inner DP 2)
     train to the end, and after every outer step rank 0 holds the same agreed parameters in
     both replicas, and so does rank 1, while ranks 0 and 1 hold different shards."""
-    run = Run(tmp_path, cache_dir, replicas=2, iters=12)
+    run = Run(tmp_path, cache_dir, replicas=2, iters=12, extra=["--diloco-outer-ranks", "2"])
     try:
         for r in range(2):
             run.start(f"r{r}", r, nproc=2)
@@ -458,10 +458,10 @@ def test_refusal_keeps_the_job_that_was_there_first():
     joining, and the tie went to whichever torchft ranked first, so the live job was
     refused and the newcomer trained on. The job that opened more cycles stays; a
     participant further on in iterations stays over any newcomer."""
-    from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
+    from loco_megatron.diloco.elastic.cycle import Fingerprint, refusal
 
     def refused(*ps: Fingerprint) -> tuple[str, set]:
-        return ElasticCoordinator._refusal(Cycle(len(ps), 0, list(ps), False, 0))
+        return refusal(list(ps), 12)
 
     live, newcomer = Fingerprint(0, 7, 0, True, cycles=5), Fingerprint(0, 7, 0, True, cycles=0)
     for order in ((newcomer, live), (live, newcomer)):

@@ -110,9 +110,10 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
     buffers), written by replica 0 (``replica``: this rank's); ``per_rank``: the
     ShardedObject of :meth:`~loco_megatron.diloco.outer.OuterStep.per_rank_state_dict`
     (None: not saved / not read)."""
-    from loco_megatron.checkpoint.dist_optimizer import _model_meta, _pieces
+    from loco_megatron.checkpoint.dist_optimizer import _pieces
+    from loco_megatron.checkpoint.model_space import model_tensors
 
-    meta = _model_meta(model_sd)
+    meta = model_tensors(model_sd)
     out = {} if is_loading else outer.common_state()
     names = ["agreed", *(["momentum"] if momentum else []),
              # the run's last step: the model every replica ends on (exports read it; a resume does not)
