@@ -33,24 +33,35 @@ class Run:
         self.tmp, self.cache, self.replicas, self.iters, self.extra = tmp, cache, replicas, iters, list(extra)
         port = _free_port()
         self.address = f"http://localhost:{port}"
+        self.port = port
+        self.jobs: dict[str, subprocess.Popen] = {}
+        (tmp / "dump").mkdir(exist_ok=True)
+        self._start_lighthouse()
+
+    def _start_lighthouse(self) -> None:
         env = dict(os.environ, RUST_LOG="info")
         # join timeout: longer than the replicas' skew at a sync point; heartbeat: how soon a
         # dead replica is dropped from the next quorum, long enough that a live one starved of
         # CPU on a loaded machine is not taken for dead (its peers would form a quorum without it).
         self.lighthouse = subprocess.Popen(
-            [program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "20000",
-             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
-            env=env, stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.jobs: dict[str, subprocess.Popen] = {}
-        (tmp / "dump").mkdir(exist_ok=True)
+            [program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms",
+             "20000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
+            env=env, stdout=open(self.tmp / "lighthouse.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while True:  # the lighthouse's port accepts
             try:
-                socket.create_connection(("localhost", port), timeout=1).close()
+                socket.create_connection(("localhost", self.port), timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline and self.lighthouse.poll() is None, "the lighthouse did not start"
                 time.sleep(0.2)
+
+    def restart_lighthouse(self, down_s: float) -> None:
+        """SIGKILL the lighthouse, and start a new one on its port ``down_s`` seconds later."""
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait(timeout=60)
+        time.sleep(down_s)
+        self._start_lighthouse()
 
     def args(self, replica: int, *more: str) -> list[str]:
         return [*TINY, "--train-iters", str(self.iters), "--lr-decay-iters", str(self.iters),
@@ -98,6 +109,14 @@ class Run:
         while not any(m.get("iteration", 0) >= iteration for m in self.metrics(name)):
             assert self.jobs[name].poll() is None, self.log(name)[-3000:]
             assert time.monotonic() < deadline, f"{name} did not reach iteration {iteration}"
+            time.sleep(0.2)
+
+    def wait_held(self, name: str, replica: int, iteration: int, timeout: float = 600) -> None:
+        """Wait until job ``name`` (replica ``replica``) is held after ``iteration`` (:meth:`hold`)."""
+        deadline = time.monotonic() + timeout
+        while not (self.tmp / "dump" / f"replica{replica}_rank0.held.{iteration}").exists():
+            assert self.jobs[name].poll() is None, self.log(name)[-3000:]
+            assert time.monotonic() < deadline, f"{name} was not held after iteration {iteration}"
             time.sleep(0.2)
 
     def wait_log(self, name: str, text: str, timeout: float = 600) -> None:

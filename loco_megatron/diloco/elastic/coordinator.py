@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from typing import Callable, Optional
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from loco_megatron.config import brief
 from loco_megatron.diloco.elastic.cycle import REFUSE, Cycle, Fingerprint, combine, progress
 from loco_megatron.diloco.elastic.lighthouse import describe_outage
-from loco_megatron.diloco.elastic.ops import torchft_ops, vote
+from loco_megatron.diloco.elastic.ops import fresh_groups, torchft_ops, vote
 from loco_megatron.failures import RunAborted
 
 TIMEOUT, ERROR, OK, OFF = "timeout", "error", "ok", "off"
@@ -106,9 +107,9 @@ class ElasticCoordinator:
         if self.device.type == "cuda":
             from torchft import ProcessGroupNCCL
 
-            self.pg = ProcessGroupNCCL(timeout=self.exchange_timeout)
+            self.pg = fresh_groups(ProcessGroupNCCL)(timeout=self.exchange_timeout)
         else:
-            self.pg = ProcessGroupGloo(timeout=self.exchange_timeout)
+            self.pg = fresh_groups(ProcessGroupGloo)(timeout=self.exchange_timeout)
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._take, state_dict=lambda: self.heal_state(),
             # --diloco-min-replicas is the plan's (a withheld outer step still commits the
@@ -187,6 +188,16 @@ class ElasticCoordinator:
         error = m.errored()
         if error is not None:  # the group could not be configured, or the heal failed
             return (ERROR, brief(error.original_exception)), None
+        try:
+            size = self.pg.size()
+        except RuntimeError:  # (not configured: no group at all)
+            size = -1
+        if size != max(m.num_participants(), 1):
+            # torchft kept the last group because the quorum id did not change, but a restarted
+            # lighthouse numbers its quorums anew: this id names other members. Failing the
+            # cycle (a commit failure) makes the lighthouse give the next quorum a new id.
+            m.report_error(RuntimeError("the quorum's group is stale (the lighthouse restarted)"))
+            return (ERROR, "the quorum's group is stale (the lighthouse restarted)"), None
         self.grouped = True
         world, rank = max(m.num_participants(), 1), m.participating_rank() or 0
         mine = fingerprint(self._healed)
@@ -197,8 +208,7 @@ class ElasticCoordinator:
         if work is not None:
             work.wait()
         error = m.errored()
-        if error is not None:
-            self.grouped = False
+        if error is not None:  # (the gather failed, or was lost here: the ops keep ``grouped`` up to date)
             return (ERROR, brief(error.original_exception)), None
         participants = [Fingerprint.of(r) for r in rows.view(world, Fingerprint.WIDTH)]
         return (OK, ""), plan(participants, rank, self._healed)
@@ -226,7 +236,7 @@ class ElasticCoordinator:
         then the commit vote). ``refused``: a cycle every participant discards for a refused
         participant (no vote: the refused one has left)."""
         if self.lane is not None:
-            if not ok:
+            if not ok and self.manager.errored() is None:
                 self.manager.report_error(RuntimeError(self.reason or "discarded"))
             try:
                 ok = bool(self.manager.should_commit())
@@ -236,12 +246,18 @@ class ElasticCoordinator:
             flag = torch.tensor([int(ok)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
             return False
-        return self._agree(ok, "commit")
+        committed = self._agree(ok, "commit")
+        if not committed and not self.errored():
+            self.reason = "another replica's exchange failed"
+        return committed
 
     def errored(self) -> str:
         """What failed in the open cycle, in words ('' when nothing is known here)."""
         error = self.manager.errored() if self.manager is not None else None
-        return brief(error.original_exception) if error is not None else self.reason
+        if error is None:
+            return self.reason
+        # (gloo's messages start with the source file: "[.../unbound_buffer.cc:129] Timed out ...")
+        return re.sub(r"^(\w+: )\[[^\]]*\] ", r"\1", brief(error.original_exception))
 
     def say_membership(self, cycle: Cycle) -> None:
         """One line when the replicas of a committed cycle are not the last one's."""

@@ -75,9 +75,14 @@ class Fingerprint:
     """It has waited --diloco-quorum-timeout-s for the replicas expected: start without them."""
     world: int = 1
     """Ranks of its job."""
+    live: int = 0
+    """The replicas of its last cycle, as a bit mask (ids below 63)."""
+    recheck: bool = False
+    """It asks again because the last quorum missed a replica of the one before."""
 
     FIELDS = ("replica", "config", "iteration", "joining", "healed", "cycles", "outer_steps", "state", "split",
-              "offset", "samples", "trained", "speed", "weight", "lanes", "granule", "ready", "world")
+              "offset", "samples", "trained", "speed", "weight", "lanes", "granule", "ready", "world", "live",
+              "recheck")
     WIDTH = len(FIELDS)
     """int64 entries of :meth:`tensor`."""
 
@@ -87,7 +92,7 @@ class Fingerprint:
     @classmethod
     def of(cls, row: torch.Tensor) -> "Fingerprint":
         values = dict(zip(cls.FIELDS, (int(x) for x in row.tolist())))
-        for f in ("joining", "healed", "ready"):
+        for f in ("joining", "healed", "ready", "recheck"):
             values[f] = bool(values[f])
         return cls(**values)
 
@@ -99,7 +104,8 @@ class Fingerprint:
         return dataclasses.replace(self, state=0) == dataclasses.replace(other, state=0)
 
 
-WAIT, AGREE, OUTER, WITHHELD, NOTHING, REFUSE = "wait", "agree", "outer", "withheld", "nothing", "refuse"
+WAIT, AGREE, OUTER, WITHHELD, NOTHING, REFUSE, RECHECK = \
+    "wait", "agree", "outer", "withheld", "nothing", "refuse", "recheck"
 
 
 @dataclasses.dataclass
@@ -119,7 +125,8 @@ class Cycle:
     outer step of the fragments starting at ``iteration``), :data:`WITHHELD` (a sync
     point, but fewer contributors than --diloco-min-replicas: no exchange, the inner
     progress carries into the next outer step), :data:`NOTHING` (a cycle of joining
-    replicas that agree) or :data:`REFUSE`."""
+    replicas that agree), :data:`REFUSE` or :data:`RECHECK` (a replica of the last cycle is
+    missing: ask the lighthouse once more before going on without it)."""
     source: int = -1
     """The replica whose state every participant takes (:data:`AGREE`)."""
     shares: Optional[dict] = None
@@ -211,13 +218,33 @@ def plan(participants: list[Fingerprint], rank: int, expected: int, min_replicas
     if not exchanging and len(ps) < expected and not any(p.ready for p in ps):
         cycle.action = WAIT  # the start of a run (or a whole-run restart): the others are expected
         return cycle
+    if exchanging and missing(ps) and not any(p.recheck for p in ps):
+        # A quorum without a replica of the last one: dead, or not heartbeating to the
+        # lighthouse yet (a restarted lighthouse knows only who has beaten since). Asking once
+        # more keeps a live one from being left behind, and costs a dead one's peers a pause.
+        cycle.action = RECHECK
+        return cycle
     if len({p.state for p in ps}) > 1:
-        cycle.action = AGREE
-        cycle.source = max(enumerate(ps), key=lambda ip: advanced(ip[1], ip[0]))[1].replica
+        cycle.action = AGREE  # (the source: the lowest replica id among the furthest in progress)
+        cycle.source = max(ps, key=lambda p: (p.iteration, p.outer_steps, not p.joining, -p.replica)).replica
     elif exchanging:
         cycle.action = OUTER if cycle.contributors >= min_replicas else WITHHELD
     cycle.shares = batch_split.next_split(mode, [p.member() for p in ps], global_batch)
     return cycle
+
+
+def live_mask(replicas: list[int]) -> int:
+    """The :attr:`Fingerprint.live` bit mask of ``replicas`` (ids from 63 on are left out)."""
+    return sum(1 << r for r in set(replicas) if r < 63)
+
+
+def missing(ps: list[Fingerprint]) -> list[int]:
+    """The replicas some participant saw in its last cycle that are not in this one."""
+    seen = 0
+    for p in ps:
+        seen |= p.live
+    present = live_mask([p.replica for p in ps])
+    return [r for r in range(63) if seen >> r & 1 and not present >> r & 1]
 
 
 def combine(lanes: list[Optional[Cycle]]) -> Optional[Cycle]:

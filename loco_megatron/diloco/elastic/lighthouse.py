@@ -74,16 +74,16 @@ def read_status(address: str, timeout_s: float = 10.0) -> Status:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             page = reply.read(1 << 20).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
-        raise ConfigError(f"--diloco-lighthouse: {address} answers {url} with HTTP {e.code}: it is not a torchft "
-                          f"lighthouse (start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT)") from None
+        raise ConfigError(f"--diloco-lighthouse: {address} answers, but not as a torchft lighthouse ({url}: HTTP "
+                          f"{e.code}); start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise ConfigError(f"--diloco-lighthouse: {address} cannot be reached ({reason}); start it with "
                           f"torchft_lighthouse --min_replicas 1 --bind [::]:PORT (docs/diloco.md)") from None
     status = parse_status(page)
     if status is None:
-        raise ConfigError(f"--diloco-lighthouse: {address} answers, but {url} is not a torchft lighthouse's status "
-                          f"page (start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT)")
+        raise ConfigError(f"--diloco-lighthouse: {address} answers, but not as a torchft lighthouse ({url} is not "
+                          f"its status page); start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT")
     return status
 
 

@@ -3,11 +3,14 @@
 torchft's reconfigurable groups sit outside torch.distributed's registry and forward only
 some collectives: :func:`torchft_ops` gives LoCo's :class:`CollectiveOps` over them (the
 outer exchange, the agreement, the fingerprint gather), :func:`vote` the one all-reduce
-every participant issues at each decision point of a cycle, whatever failed before it.
+every participant issues at each decision point of a cycle, whatever failed before it, and
+:func:`fresh_groups` the groups themselves, each configured under a store prefix never used
+before (a restarted lighthouse numbers its quorums from 1 again).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -26,9 +29,11 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
     torchft's reconfigurable groups sit outside torch.distributed's registry and forward
     only some collectives: the all-gather goes through the coalesced entry point, the rank
     and size come from the Manager. An error at launch or wait is reported to the Manager
-    (the cycle will not commit) and the operation then reads as done; after an error every
-    later one of the cycle is a no-op (as torchft's own allreduce does), so a failed cycle
-    ends quickly on every rank instead of waiting out one timeout per collective."""
+    (the cycle will not commit) and the operation then reads as done; after a failed
+    collective every later one of the cycle is a no-op (as torchft's own allreduce does), so
+    a failed cycle ends quickly on every rank instead of waiting out one timeout per
+    collective. A failure that left the group usable (an injected "lost" one, or a
+    decision reported by the cycle) keeps the collectives going, so no peer waits on them."""
     from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
 
     class Lazy:
@@ -60,7 +65,7 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
             return True
 
     def run(launch: Callable, async_op: bool):
-        if manager.errored():
+        if manager.errored() and not coordinator.grouped:  # (the group may be broken: waiting on it would time out)
             return Done() if async_op else None
         # (an injected failure, coordinator.faults: "raise" before launching, "lost" after waiting)
         fault = coordinator.faults(coordinator.phase) if coordinator.faults is not None else None
@@ -129,3 +134,28 @@ def vote(pg, yes: bool) -> Optional[bool]:
     except Exception:  # noqa: BLE001 - a failed vote is a no, on a group that may be broken now
         return None
     return bool(t.item())
+
+
+def fresh_groups(base: type) -> type:
+    """torchft's process group class ``base`` (gloo or NCCL), configured under a store prefix
+    that no earlier configuration used. torchft names the prefix after the quorum id
+    (``.../torchft/<quorum id>/<lane>``), and a lighthouse that restarts numbers its quorums
+    from 1 again: the same prefix would then hold the previous incarnation's rendezvous keys
+    on the primary's store, and the new group would connect to addresses long closed (one
+    failed cycle per stale id). Each participant counts its arrival under the prefix, per
+    group size and member set (one atomic add on the store); arrivals come in whole groups,
+    so ``(count - 1) // size`` is the same epoch for every member of this configuration."""
+
+    class Fresh(base):
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id=None,
+                      group_rank=None, group_world_size=None, global_ranks=None) -> None:
+            from torchft.process_group import create_store_client
+
+            store = create_store_client(store_addr, timeout=self._timeout)
+            members = hashlib.sha256(repr(sorted(global_ranks or [])).encode()).hexdigest()[:12]
+            epoch = (store.add(f"arrivals/{world_size}/{members}", 1) - 1) // world_size
+            super().configure(f"{store_addr}/{world_size}-{members}-{epoch}", replica_id, rank, world_size,
+                              quorum_id, group_rank, group_world_size, global_ranks)
+
+    Fresh.__name__ = Fresh.__qualname__ = f"Fresh{base.__name__}"
+    return Fresh

@@ -31,13 +31,17 @@ from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic import split as batch_split
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash
 from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
-from loco_megatron.diloco.elastic.cycle import (AGREE, OUTER, REFUSE, WAIT, WITHHELD, Cycle, Fingerprint,
-                                                describe_shares, plan)
+from loco_megatron.diloco.elastic.cycle import (AGREE, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Cycle, Fingerprint,
+                                                describe_shares, live_mask, missing, plan)
 from loco_megatron.diloco.elastic.split import Share
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer import OuterStep
 from loco_megatron.diloco.outer_math import nesterov_step
 from loco_megatron.failures import RunAborted
+
+RECHECK_S = 5.0
+"""Seconds before asking again for a quorum that missed a replica of the last cycle: long
+enough for a live replica's heartbeat to reach a lighthouse that just restarted."""
 
 
 @dataclasses.dataclass
@@ -148,7 +152,7 @@ class ElasticOuterStep(OuterStep):
         return int(self._progress().get("iteration", 0))
 
     # -- the fingerprint -------------------------------------------------------------------------
-    def _common(self, t: int, joining: bool, ready: bool) -> Fingerprint:
+    def _common(self, t: int, joining: bool, ready: bool, recheck: bool = False) -> Fingerprint:
         """This replica's fingerprint but its lane's state (every rank: under ``throughput``
         a collective over the job, so every rank of a replica puts the same speed in);
         ends the interval's speed measurement."""
@@ -164,7 +168,7 @@ class ElasticOuterStep(OuterStep):
                            split=self.split_id, offset=share.offset, samples=share.samples, trained=trained,
                            speed=round(self.speed * 1000), weight=round(self.split.weight * 1000),
                            lanes=self.coordinator.lanes, granule=self.split.granule, ready=ready,
-                           world=self.rules.world)
+                           world=self.rules.world, live=live_mask(self.coordinator.live), recheck=recheck)
 
     def _lane_fingerprint(self, common: Fingerprint, healed: Optional[dict]) -> Fingerprint:
         """``common`` with this lane's state (after a heal: what it took, and the source's
@@ -271,8 +275,8 @@ class ElasticOuterStep(OuterStep):
         heals it (or takes it in at par); replicas that all start (a run's start, or every
         job restarted from its checkpoint) wait, a cycle a second, until the replicas
         expected are there or this one has waited --diloco-quorum-timeout-s (rank 0's clock
-        decides, for every rank), then agree on one model. A cycle that fails is asked again,
-        for as long again at most."""
+        decides, for every rank), then agree on one model. A cycle that fails (or an
+        agreement that does not commit) is asked again, for as long again at most."""
         limit = self.coordinator.quorum_timeout.total_seconds()
         started = failing = time.monotonic()
         said = False
@@ -280,8 +284,11 @@ class ElasticOuterStep(OuterStep):
             now = time.monotonic()
             ready, give_up = self.coordinator.decide((now - started > limit, now - failing > limit))
             cycle, committed = self._cycle(self._iteration(), joining=True, ready=ready)
-            if cycle is not None and cycle.action != WAIT and (committed or self._open is not None):
-                return  # (a delayed outer step the live replicas started: it closes where they apply it)
+            if cycle is not None and cycle.action != WAIT and (cycle.action != AGREE or committed):
+                # (the go vote passed: this replica holds a share of the split every participant
+                # took, on a model they share; an outer step discarded, or in flight under a
+                # delay, leaves it so)
+                return
             if cycle is not None and cycle.action == WAIT:
                 failing = time.monotonic()
                 if not said:
@@ -308,41 +315,67 @@ class ElasticOuterStep(OuterStep):
         self.waited_total_s += waited
 
     def _cycle(self, t: int, joining: bool, ready: bool = False) -> tuple[Optional[Cycle], bool]:
-        """One cycle (the module docstring): ``(cycle, committed)``; the cycle is None when it
-        was discarded before any exchange. A delayed outer step returns ``committed`` False
-        with the cycle open (:attr:`_open`)."""
-        common = self._common(t, joining, ready)
+        """One cycle (the module docstring): ``(cycle, committed)``, the cycle None when none
+        went through the go vote. At a sync point a cycle that failed before the go vote is
+        asked again (a second after; five when it missed a replica of the last cycle) until
+        it goes through or has failed for --diloco-quorum-timeout-s (then the run ends in one
+        line): the replicas train on only after a cycle whose membership and batch split
+        every participant confirmed. A joining replica's loop (:meth:`join`) asks again
+        itself. A delayed outer step returns ``committed`` False with the cycle open
+        (:attr:`_open`)."""
+        recheck, started = False, time.monotonic()
+        limit = self.coordinator.quorum_timeout.total_seconds()
+        while True:
+            cycle, committed, again = self._attempt(t, joining, ready, recheck)
+            if again is None or (joining and again != RECHECK):
+                return cycle, committed
+            recheck = recheck or again == RECHECK
+            if self.coordinator.decide(time.monotonic() - started > limit):  # (rank 0's clock, for every rank)
+                raise RunAborted(f"DiLoCo: the cycle at iteration {t} kept failing for --diloco-quorum-timeout-s "
+                                 f"({limit:.0f} s): {self.coordinator.errored()}")
+            time.sleep(RECHECK_S if again == RECHECK else 1.0)
+
+    def _attempt(self, t: int, joining: bool, ready: bool, recheck: bool) -> tuple[Optional[Cycle], bool, Optional[str]]:
+        """One try at a cycle: ``(cycle, committed, again)``; ``again``: why to ask again
+        (:data:`.cycle.RECHECK`, "failed", "refused"), None when the cycle went through."""
+        common = self._common(t, joining, ready, recheck)
         cycle = self.coordinator.open(t, self.outer_steps, lambda healed: self._lane_fingerprint(common, healed),
                                       self._plan)
         if cycle is None:
             self.coordinator.close(False)
             if not joining:
-                self._log(f"DiLoCo: the cycle at iteration {t} was discarded ({self.coordinator.errored()}); the "
-                          f"replicas train on and the next outer step goes on")
-            return None, False
+                self._log(f"DiLoCo: the cycle at iteration {t} failed ({self.coordinator.errored()}); it is asked "
+                          f"again")
+            return None, False, "failed"
         if cycle.action == REFUSE:
             if self.coordinator.refused_here(cycle):  # (before any healed state is applied: it may not fit)
                 error = ConfigError(cycle.refused)
                 error.agreed = True  # every rank of this replica refuses alike: rank 0 says it
                 raise error
             self._log(f"DiLoCo: {cycle.refused}; that replica is refused, the cycle at iteration {cycle.iteration} "
-                      f"is discarded")
+                      f"is asked again without it")
             self.coordinator.close(False, refused=True)
-            return None, False
+            return None, False, "refused"
         if cycle.healed is not None:
             self._heal(cycle)
         if cycle.action == WAIT:
-            return cycle, self.coordinator.close(True)
+            return cycle, self.coordinator.close(True), None
+        if cycle.action == RECHECK:
+            gone = ", ".join(map(str, missing(cycle.participants)))
+            self._log(f"DiLoCo: replica(s) {gone} of the last cycle missing from the quorum at iteration {t}; asking "
+                      f"the lighthouse again in {RECHECK_S:.0f} s")
+            self.coordinator.close(True)
+            return cycle, False, RECHECK
         self.coordinator.say_membership(cycle)
         self._resplit(cycle)
         if cycle.action == AGREE:
-            return cycle, self._agree(cycle)
+            return cycle, self._agree(cycle), None
         if cycle.action == WITHHELD:
             self._log(f"DiLoCo: the outer step at iteration {cycle.iteration} is withheld ({cycle.contributors} "
                       f"live replica(s), --diloco-min-replicas {self.rules.min_replicas}): the replicas train on "
                       f"and their progress goes into the next outer step")
         if cycle.action != OUTER:
-            return cycle, self.coordinator.close(True)
+            return cycle, self.coordinator.close(True), None
         keys = self._keys(self.schedule.starts(cycle.iteration))
         self._follow(cycle)
         contributors = {p.replica: p.trained for p in cycle.participants if not p.healed}
@@ -356,8 +389,8 @@ class ElasticOuterStep(OuterStep):
             self._start(key, cycle.iteration, zeros=healed)
         self._open = cycle
         if self.schedule.delay:
-            return cycle, False
-        return cycle, self._close_outer(keys)
+            return cycle, False, None
+        return cycle, self._close_outer(keys), None
 
     def _start(self, key: str, t: int, zeros: bool = False) -> None:
         if not zeros:
