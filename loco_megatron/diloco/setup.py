@@ -3,10 +3,8 @@ inter-instance groups (see :mod:`.layout` for the replicas)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from loco_megatron.config import Config

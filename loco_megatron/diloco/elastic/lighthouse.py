@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import re
+import time
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -50,6 +51,9 @@ class Status:
         return max((m.iteration for m in self.members), default=None)
 
 
+TRIES = 3
+"""Reads of the status page before a failure to reach it counts (a second apart)."""
+
 _MEMBER = re.compile(r"<b>\s*([^<]+?)\s*</b>\s*<br/>\s*Step:\s*(-?\d+)\s*<br/>.*?World size:\s*(\d+)", re.S)
 _BEAT = re.compile(r"<li class=\"heartbeat[^\"]*\">\s*([^:<]+:[^:<]+):\s*seen\s*([0-9.e+-]+)s ago", re.S)
 
@@ -66,13 +70,28 @@ def parse_status(page: str) -> Optional[Status]:
     return Status(int(quorum.group(1)), html.unescape(nxt.group(1)).strip(), members, beats)
 
 
+def _fetch(url: str, timeout_s: float) -> str:
+    """``url``'s text; a connection that fails is tried again (a lighthouse under load may
+    reset one without being down), :data:`TRIES` times in all."""
+    for attempt in range(TRIES):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+                return reply.read(1 << 20).decode("utf-8", "replace")
+        except urllib.error.HTTPError:
+            raise
+        except (urllib.error.URLError, OSError):
+            if attempt + 1 == TRIES:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 def read_status(address: str, timeout_s: float = 10.0) -> Status:
     """The lighthouse's status; ConfigError (one line) when nothing answers at ``address``
     or what answers is not a torchft lighthouse."""
     url = address.rstrip("/") + "/status"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            page = reply.read(1 << 20).decode("utf-8", "replace")
+        page = _fetch(url, timeout_s)
     except urllib.error.HTTPError as e:
         raise ConfigError(f"--diloco-lighthouse: {address} answers, but not as a torchft lighthouse ({url}: HTTP "
                           f"{e.code}); start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT") from None

@@ -16,7 +16,8 @@ from loco_megatron.config.run import batch_granule
 from loco_megatron.diloco.elastic.cycle import config_hash
 from loco_megatron.diloco.elastic.lanes import LaneMover, LaneViews, NoLane, Space, check_cover, shard_blocks
 from loco_megatron.diloco.elastic.split import fixed_share
-from loco_megatron.diloco.elastic.step import ElasticOuterStep, Rules, SplitSettings
+from loco_megatron.diloco.elastic.replica import Rules, SplitSettings
+from loco_megatron.diloco.elastic.step import ElasticOuterStep
 
 
 def lane_channels(config: Config, chunks: list, optimizer, fragment: Callable, coordinator,
