@@ -25,6 +25,9 @@ def main() -> int:
     # megatron-core warns on import that TransformerEngine/Apex are absent; that is expected.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    # torchft's heal transport sends its pickled header through torch.frombuffer(bytes), which
+    # warns that the buffer is read-only; the tensor is only read (sent), never written.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", module="torchft")
     try:
         if dry is not None:
             from loco_megatron.training.preflight import dry_run

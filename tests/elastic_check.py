@@ -8,10 +8,21 @@ in every replica) and ``steps`` the ``[consumed samples, share offset, share sam
 rank, data ranks]`` each training step since the last line started from (the sample stream
 it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
 rank SIGKILLs itself right after launching its first outer exchange at iteration ``T``
-(mid-exchange: its peers are waiting on it). ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
+(mid-exchange: its peers are waiting on it). ``LOCO_TEST_FAULTS=PHASE@T=MODE,...``: the
+collective of ``PHASE`` ("fingerprint", "agreement", "outer"; "heal": taking a healed state)
+in the cycle at iteration ``T`` fails once on this replica, ``raise`` (never issued: the
+peers wait on it) or ``lost`` (it completes, then fails here only)
+(:attr:`~loco_megatron.diloco.elastic.coordinator.ElasticCoordinator.faults`); each
+injection appends ``{"at": "fault", ...}`` to the dump. ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
 ``LOCO_TEST_RELEASE=PATH``: after step ``Ti`` the rank waits until ``PATH.Ti`` exists (a
-test holds the live replicas before a sync point until a (re)started one is about to ask).
-Before its join every rank touches ``replica<R>_rank<K>.asking.<pid>`` in the dump folder.
+test holds the live replicas before a sync point until a (re)started one is about to ask;
+while held the rank touches ``replica<R>_rank<K>.held.<Ti>`` in the dump folder).
+Before its join every rank touches ``replica<R>_rank<K>.asking.<pid>`` in the dump folder,
+and before each sync point's cycle ``replica<R>_rank<K>.cycle.<T>``.
+``LOCO_TEST_DELAY=K:join=S,K:T=S,...``: rank ``K`` sleeps ``S`` seconds before its join, or
+before the cycle at iteration ``T`` (a rank that arrives late: the others wait on it).
+``LOCO_TEST_PERTURB=1``: before its join the replica's agreed parameters move by 1e-3 on
+its lane hosts (replicas whose states differ at the start: they must agree on one).
 """
 
 import hashlib
@@ -30,6 +41,7 @@ from loco_megatron.config import ConfigError
 from loco_megatron.diloco import exchange
 from loco_megatron.diloco.setup import build_outer_step
 from loco_megatron.error_report import report_error
+from loco_megatron.failures import RunAborted
 from loco_megatron.training.trainer import train
 
 
@@ -61,17 +73,32 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
 
     hold_at = {int(x) for x in os.environ.get("LOCO_TEST_HOLD_AT", "").split(",") if x}
 
+    delays = {}
+    for item in filter(None, os.environ.get("LOCO_TEST_DELAY", "").split(",")):
+        where, seconds = item.split("=")
+        rank, when = where.split(":")
+        if int(rank) == dist.get_rank():
+            delays[when] = float(seconds)
+
     def joined(t: int) -> None:
+        time.sleep(delays.get("join", 0.0))
+        if os.environ.get("LOCO_TEST_PERTURB"):
+            for a in outer.agreed.values():
+                a.add_(1e-3)
         out.with_name(f"{out.stem}.asking.{os.getpid()}").touch()
         join(t)
         dump("join", t)
 
     def after(t: int) -> None:
         now["t"] = t
+        if outer.schedule.starts(t):
+            time.sleep(delays.get(str(t), 0.0))
+            out.with_name(f"{out.stem}.cycle.{t}").touch()
         after_step(t)
         if outer.schedule.starts(t) or outer.schedule.applies(t):
             dump("cycle", t)
         if t in hold_at:
+            out.with_name(f"{out.stem}.held.{t}").touch()
             release, deadline = pathlib.Path(f"{os.environ['LOCO_TEST_RELEASE']}.{t}"), time.monotonic() + 900
             while not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -82,6 +109,22 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         return done
 
     outer.join, outer.after_step, outer.finish = joined, after, finished
+    faults = {}
+    for item in filter(None, os.environ.get("LOCO_TEST_FAULTS", "").split(",")):
+        where, mode = item.split("=")
+        phase, at = where.split("@")
+        faults[phase, int(at)] = mode
+
+    def fault(phase: str):
+        mode = faults.pop((phase, outer._progress().get("iteration", 0)), None)
+        if mode:
+            with out.open("a") as f:
+                f.write(json.dumps({"at": "fault", "phase": phase, "mode": mode,
+                                    "iteration": outer._progress().get("iteration", 0)}) + "\n")
+        return mode
+
+    if faults:
+        outer.coordinator.faults = fault
     start = exchange.OuterChannel.start
 
     def start_then_die(self, delta):
@@ -112,8 +155,11 @@ if __name__ == "__main__":
 
     MicroBatchIterator.step = _recording_step(MicroBatchIterator.step)
     config, env = main_config(sys.argv[1:])
-    try:  # as pretrain_gpt.py: a refusal is one line and exit status 2
+    try:  # as pretrain_gpt.py: a refusal is one line and exit status 2, a run that cannot end well 3
         train(config, env, outer_step_factory=checked_outer_step)
     except ConfigError as e:
         report_error(e, env.rank, env.error_file)
         sys.exit(2)
+    except RunAborted as e:
+        report_error(e, env.rank, env.error_file)
+        sys.exit(3)

@@ -53,7 +53,7 @@ def main(dump: pathlib.Path, argv: list) -> None:
         sd = original_sd(opt, model_sd, is_loading)
         # Stacked layers share a key: the first part's global offset tells them apart.
         keys.update({p: f"{sh.key}@{model_space.sharded_parts(sh)[0][0].global_offset}"
-                     for p, sh in dist_optimizer._model_meta(model_sd).items()})
+                     for p, sh in model_space.model_tensors(model_sd).items()})
         if not is_loading:
             torch.save({"slices": _slices(opt, keys), "writer_bytes": _writer_bytes(sd),
                         "own_bytes": dist_optimizer.own_state_bytes(opt),

@@ -1,4 +1,4 @@
-"""Elastic DiLoCo's batch split (loco_megatron/diloco/batch_split.py), its sample streams
+"""Elastic DiLoCo's batch split (loco_megatron/diloco/elastic/split.py), its sample streams
 (MicroBatchIterator shares) and its flags, in one process."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loco_megatron.diloco.batch_split import (MIN_GAIN, Member, Share, fixed_share, idle_share, mean_factors,
-                                              next_split, split)
+from loco_megatron.diloco.elastic.split import (MIN_GAIN, Member, Share, fixed_share, held_by_all, idle_share,
+                                                mean_factors, next_split, split, split_id)
 
 
 def test_a_split_is_proportional_whole_granules_and_covers_the_batch_once():
@@ -29,27 +29,36 @@ def test_a_split_is_proportional_whole_granules_and_covers_the_batch_once():
         split([0, 1, 2], [1.0, 1.0, 1.0], 4, 2)
 
 
+def _holding(shares: dict[int, Share], speeds: dict = None, weights: dict = None, granules: dict = None) -> list:
+    """Members that hold ``shares`` (one split, :func:`split_id` and each its share)."""
+    ident = split_id(shares)
+    return [Member(r, s.samples, (speeds or {}).get(r, 0.0), (weights or {}).get(r, 1), (granules or {}).get(r, 1),
+                   ident) for r, s in shares.items()]
+
+
 def test_the_split_changes_when_replicas_come_or_go_and_when_speeds_pay_for_it():
     """Guards against a dead replica's share left unassigned (its samples skipped every
     step), a new replica given nothing, shares that churn on measurement noise, and an
     unmeasured replica (just joined) counted as infinitely slow or fast."""
     assert next_split("fixed", [Member(0, 6, 1.0, 1), Member(1, 0, 0.0, 1)], 12) is None
     # replica 1 left: the survivor's 6 no longer cover 12
-    assert next_split("weight", [Member(0, 6, 0.0, 2)], 12) == {0: Share(0, 12)}
-    # replica 2 joins (share 0): the weights split the batch among all
-    assert next_split("weight", [Member(0, 12, 0.0, 2), Member(2, 0, 0.0, 1)], 12) == {0: Share(0, 8),
-                                                                                          2: Share(8, 4)}
-    assert next_split("weight", [Member(0, 8, 0.0, 2), Member(2, 4, 0.0, 1)], 12) is None
+    assert next_split("weight", _holding({0: Share(0, 6)}, weights={0: 2}), 12) == {0: Share(0, 12)}
+    # replica 2 joins (no share): the weights split the batch among all
+    assert next_split("weight", [*_holding({0: Share(0, 12)}, weights={0: 2}), Member(2, 0, 0.0, 1)], 12) == \
+        {0: Share(0, 8), 2: Share(8, 4)}
+    assert next_split("weight", _holding({0: Share(0, 8), 2: Share(8, 4)}, weights={0: 2}), 12) is None
     # throughput: 2x faster replica 0, equal shares: a re-split removes half a step of idling
-    assert next_split("throughput", [Member(0, 6, 40.0, 1), Member(1, 6, 20.0, 1)], 12) == {0: Share(0, 8),
-                                                                                               1: Share(8, 4)}
+    equal = {0: Share(0, 6), 1: Share(6, 6)}
+    assert next_split("throughput", _holding(equal, speeds={0: 40.0, 1: 20.0}), 12) == {0: Share(0, 8),
+                                                                                          1: Share(8, 4)}
     # noise around the right split: kept
-    assert next_split("throughput", [Member(0, 8, 41.0, 1), Member(1, 4, 19.0, 1)], 12) is None
-    near = [Member(0, 6, 20.0 * (1 + MIN_GAIN / 2), 1), Member(1, 6, 20.0, 1)]
+    right = {0: Share(0, 8), 1: Share(8, 4)}
+    assert next_split("throughput", _holding(right, speeds={0: 41.0, 1: 19.0}), 12) is None
+    near = _holding(equal, speeds={0: 20.0 * (1 + MIN_GAIN / 2), 1: 20.0})
     assert idle_share([6, 6], [m.speed for m in near]) < MIN_GAIN and next_split("throughput", near, 12) is None
     # a joiner not measured yet counts at the measured mean
-    assert next_split("throughput", [Member(0, 12, 30.0, 1), Member(1, 0, 0.0, 1)], 12) == {0: Share(0, 6),
-                                                                                               1: Share(6, 6)}
+    assert next_split("throughput", [*_holding({0: Share(0, 12)}, speeds={0: 30.0}), Member(1, 0, 0.0, 1)], 12) == \
+        {0: Share(0, 6), 1: Share(6, 6)}
     # replicas of other layouts: shares in whole steps of both (DP 2 x micro 2 and DP 1 x micro 2)
     assert next_split("weight", [Member(0, 0, 0.0, 1, granule=4), Member(1, 0, 0.0, 2, granule=2)], 12) == \
         {0: Share(0, 4), 1: Share(4, 8)}
@@ -58,6 +67,28 @@ def test_the_split_changes_when_replicas_come_or_go_and_when_speeds_pay_for_it()
     # nobody measured (a whole-run restart): the weights
     assert next_split("throughput", [Member(0, 0, 0.0, 3), Member(1, 0, 0.0, 1)], 16) == {0: Share(0, 12),
                                                                                              1: Share(12, 4)}
+
+
+def test_shares_of_another_split_are_never_kept():
+    """Guards against the stale-share bug of a replica returning with the share of a split
+    it missed: weights 2/1/1 at global batch 16, A holds 0-7 and misses a quorum, B and C
+    re-split to 0-7 and 8-15, C dies, A returns (healed or not) with 0-7: the shares of A and
+    B (0-7 and 0-7) sum to the batch, so a test by sizes alone kept them, A and B trained
+    0-7 twice and 8-15 was skipped. Shares of two splits (or of one made for other
+    replicas) always split again."""
+    weights = {0: 2, 1: 1, 2: 1}
+    abc = split([0, 1, 2], [2, 1, 1], 16, 1)
+    assert abc == {0: Share(0, 8), 1: Share(8, 4), 2: Share(12, 4)}
+    bc = next_split("weight", [m for m in _holding(abc, weights=weights) if m.replica != 0], 16)
+    assert bc == {1: Share(0, 8), 2: Share(8, 8)}
+    a_stale = _holding(abc, weights=weights)[0]
+    b_now = _holding(bc, weights=weights)[0]
+    assert a_stale.samples + b_now.samples == 16  # (what the size test was fooled by)
+    assert next_split("weight", [a_stale, b_now], 16) == {0: Share(0, 11), 1: Share(11, 5)}
+    # A healed from B takes B's split, in which it has no share: split again as well
+    assert next_split("weight", [Member(0, 0, 0.0, 2, 1, split_id(bc)), b_now], 16) == {0: Share(0, 11),
+                                                                                          1: Share(11, 5)}
+    assert held_by_all(_holding(bc), 16) and not held_by_all([a_stale, b_now], 16)
 
 
 def test_the_outer_mean_is_weighted_by_the_samples_each_replica_trained():

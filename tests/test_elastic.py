@@ -33,24 +33,35 @@ class Run:
         self.tmp, self.cache, self.replicas, self.iters, self.extra = tmp, cache, replicas, iters, list(extra)
         port = _free_port()
         self.address = f"http://localhost:{port}"
+        self.port = port
+        self.jobs: dict[str, subprocess.Popen] = {}
+        (tmp / "dump").mkdir(exist_ok=True)
+        self._start_lighthouse()
+
+    def _start_lighthouse(self) -> None:
         env = dict(os.environ, RUST_LOG="info")
         # join timeout: longer than the replicas' skew at a sync point; heartbeat: how soon a
         # dead replica is dropped from the next quorum, long enough that a live one starved of
         # CPU on a loaded machine is not taken for dead (its peers would form a quorum without it).
         self.lighthouse = subprocess.Popen(
-            [program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "20000",
-             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
-            env=env, stdout=open(tmp / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.jobs: dict[str, subprocess.Popen] = {}
-        (tmp / "dump").mkdir(exist_ok=True)
+            [program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms",
+             "20000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "10000"],
+            env=env, stdout=open(self.tmp / "lighthouse.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while True:  # the lighthouse's port accepts
             try:
-                socket.create_connection(("localhost", port), timeout=1).close()
+                socket.create_connection(("localhost", self.port), timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline and self.lighthouse.poll() is None, "the lighthouse did not start"
                 time.sleep(0.2)
+
+    def restart_lighthouse(self, down_s: float) -> None:
+        """SIGKILL the lighthouse, and start a new one on its port ``down_s`` seconds later."""
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait(timeout=60)
+        time.sleep(down_s)
+        self._start_lighthouse()
 
     def args(self, replica: int, *more: str) -> list[str]:
         return [*TINY, "--train-iters", str(self.iters), "--lr-decay-iters", str(self.iters),
@@ -98,6 +109,14 @@ class Run:
         while not any(m.get("iteration", 0) >= iteration for m in self.metrics(name)):
             assert self.jobs[name].poll() is None, self.log(name)[-3000:]
             assert time.monotonic() < deadline, f"{name} did not reach iteration {iteration}"
+            time.sleep(0.2)
+
+    def wait_held(self, name: str, replica: int, iteration: int, timeout: float = 600) -> None:
+        """Wait until job ``name`` (replica ``replica``) is held after ``iteration`` (:meth:`hold`)."""
+        deadline = time.monotonic() + timeout
+        while not (self.tmp / "dump" / f"replica{replica}_rank0.held.{iteration}").exists():
+            assert self.jobs[name].poll() is None, self.log(name)[-3000:]
+            assert time.monotonic() < deadline, f"{name} was not held after iteration {iteration}"
             time.sleep(0.2)
 
     def wait_log(self, name: str, text: str, timeout: float = 600) -> None:
@@ -231,7 +250,7 @@ def _trained(dumps: list[dict], gbs: int) -> dict[int, list[tuple[int, int]]]:
     """iteration (1-based) -> the sample ranges [first, end) of its global batch a job trained."""
     out: dict[int, list] = {}
     for d in dumps:
-        for consumed, offset, samples, _, _ in d["steps"]:
+        for consumed, offset, samples, _, _ in d.get("steps", []):
             out.setdefault(consumed // gbs + 1, []).append((offset, offset + samples))
     return out
 
@@ -394,7 +413,7 @@ def test_two_ranks_per_replica_exchange_rank_by_rank(cache_dir, tmp_path):
     the torchft groups getting in each other's way: 2 replica jobs of 2 ranks (inner DP 2)
     train to the end, and after every outer step rank 0 holds the same agreed parameters in
     both replicas, and so does rank 1, while ranks 0 and 1 hold different shards."""
-    run = Run(tmp_path, cache_dir, replicas=2, iters=12)
+    run = Run(tmp_path, cache_dir, replicas=2, iters=12, extra=["--diloco-outer-ranks", "2"])
     try:
         for r in range(2):
             run.start(f"r{r}", r, nproc=2)
@@ -458,10 +477,10 @@ def test_refusal_keeps_the_job_that_was_there_first():
     joining, and the tie went to whichever torchft ranked first, so the live job was
     refused and the newcomer trained on. The job that opened more cycles stays; a
     participant further on in iterations stays over any newcomer."""
-    from loco_megatron.diloco.elastic import Cycle, ElasticCoordinator, Fingerprint
+    from loco_megatron.diloco.elastic.cycle import Fingerprint, refusal
 
     def refused(*ps: Fingerprint) -> tuple[str, set]:
-        return ElasticCoordinator._refusal(Cycle(len(ps), 0, list(ps), False, 0))
+        return refusal(list(ps), 12)
 
     live, newcomer = Fingerprint(0, 7, 0, True, cycles=5), Fingerprint(0, 7, 0, True, cycles=0)
     for order in ((newcomer, live), (live, newcomer)):

@@ -1,4 +1,4 @@
-"""Elastic DiLoCo's lanes (loco_megatron/diloco/lanes.py): the layout-independent partition
+"""Elastic DiLoCo's lanes (loco_megatron/diloco/elastic/lanes.py): the layout-independent partition
 of the model the outer state lives in, and the mover between a replica's shards and its
 lanes, on 3 real gloo ranks against the plain model-space tensors."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loco_megatron.diloco.lanes import LaneMover, Space, check_cover, hosts, intersect, shard_blocks
+from loco_megatron.diloco.elastic.lanes import LaneMover, Space, check_cover, hosts, intersect, shard_blocks
 
 # The model: A [6, 4] split over two "TP" ranks along axis 1, B [5] replicated on both (main
 # on TP rank 0), C [3, 2, 2] on a third rank ("another stage") split by "DP" into two flat

@@ -110,9 +110,10 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
     buffers), written by replica 0 (``replica``: this rank's); ``per_rank``: the
     ShardedObject of :meth:`~loco_megatron.diloco.outer.OuterStep.per_rank_state_dict`
     (None: not saved / not read)."""
-    from loco_megatron.checkpoint.dist_optimizer import _model_meta, _pieces
+    from loco_megatron.checkpoint.dist_optimizer import _pieces
+    from loco_megatron.checkpoint.model_space import model_tensors
 
-    meta = _model_meta(model_sd)
+    meta = model_tensors(model_sd)
     out = {} if is_loading else outer.common_state()
     names = ["agreed", *(["momentum"] if momentum else []),
              # the run's last step: the model every replica ends on (exports read it; a resume does not)
@@ -131,7 +132,8 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
                     blocks.append(ShardedTensor(f"diloco.{name}.{mkey}", flat[at:at + math.prod(shape)].view(shape),
                                                 torch.float32, tuple(shape), tuple(global_shape), tuple(origin),
                                                 axis_fragmentations=None, replica_id=0))
-                out[name][key] = blocks
+                if blocks or is_loading:
+                    out[name][key] = blocks
                 continue
             for (param, start, end), at in zip(views.slices, views.offsets):
                 for m, shape, first in _pieces(meta[param], start, end, replica):
@@ -139,6 +141,12 @@ def sharded_state_dict(outer, model_sd: dict, is_loading: bool, replica: int, mo
                     blocks.append(dataclasses.replace(m, key=f"diloco.{name}.{m.key}",
                                                       data=flat[lo:lo + math.prod(shape)].view(shape)))
             out[name][key] = blocks
+        if not out[name] and not is_loading:
+            # (a rank that hosts no lane saves none of it: an empty list or dict would stay in
+            # the common state once megatron takes the tensors out, where a host's goes, and
+            # megatron would warn that the ranks' common states differ; loading, every rank
+            # asks for every channel)
+            del out[name]
     if per_rank is not None:
         out["per_rank"] = per_rank
     return out

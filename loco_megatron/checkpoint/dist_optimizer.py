@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from loco_megatron.checkpoint.model_space import row_major_blocks, sharded_parts
+from loco_megatron.checkpoint.model_space import model_tensors, row_major_blocks, sharded_parts
 
 from loco_megatron.loco.hooks.version import check_megatron_core_version
 
@@ -87,20 +87,12 @@ def _pieces(sh, start: int, end: int, replica: int = 0) -> Iterator[tuple]:
             yield meta, (1,) * p + shape, flat + base
 
 
-def _model_meta(model_sd: dict) -> dict:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-
-    tensors, _ = extract_sharded_tensors_and_factories(model_sd)
-    return {sh.data: sh for sh in nested_values(tensors)}
-
-
 def sharded_state_dict(opt, model_sd: dict, is_loading: bool) -> dict:
     """One DistributedOptimizer's state: ``{"common": ..., "params": {i: {name: [ShardedTensor]}}}``,
     the blocks of this rank's own slice of every parameter it holds state for. Saving
     passes views of the live state (no copy: see the module docstring for who stages them
     and when); loading, empty host buffers of the same size."""
-    meta = _model_meta(model_sd)
+    meta = model_tensors(model_sd)
     params = {}
     for i, (param, start, end) in enumerate(owned_slices(opt)):
         tensors = None if is_loading else state_tensors(opt, param)

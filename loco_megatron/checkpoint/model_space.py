@@ -57,3 +57,13 @@ def sharded_parts(sh) -> list:
                                       "into non-contiguous parts")
         parts.append((part, part.data.storage_offset()))
     return sorted(parts, key=lambda p: p[1])
+
+
+def model_tensors(model_sd: dict) -> dict:
+    """Every model param of a ``sharded_state_dict`` (its tensor) -> its ShardedTensor (or
+    ShardedTensorFactory): where the local param lies in model space."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_sd)
+    return {sh.data: sh for sh in nested_values(tensors)}

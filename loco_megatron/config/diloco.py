@@ -4,10 +4,19 @@ and :mod:`loco_megatron.diloco`)."""
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from typing import Optional
 
 from loco_megatron.config.base import check_choices, choice, require
-from loco_megatron.diloco.batch_split import MODES as BATCH_SPLITS
+from loco_megatron.diloco.elastic.split import MODES as BATCH_SPLITS
+
+
+def port_of(address: str) -> Optional[int]:
+    """The port of ``http://HOST:PORT`` (None when it has none or it is not a number)."""
+    try:
+        return urllib.parse.urlsplit(address).port
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass
@@ -84,7 +93,9 @@ class DiLoCoConfig:
     outer state lives in L lanes, a partition of the model that does not depend on the
     layout (lane j on rank j*W/L of a replica of W ranks), so replicas of different
     TP x PP x DP layouts and sizes train one model; every replica must use the same L, at
-    most its world size. Default: the job's world size."""
+    most its world size. Default: 1 (rank 0 of each replica holds the whole outer state,
+    so replicas of any size meet); a model whose outer state (about 4 fp32 copies of the
+    model) does not fit one rank needs more, at most the smallest replica's world size."""
     diloco_batch_split: str = choice("fixed", BATCH_SPLITS)
     """Elastic DiLoCo: how the live replicas share each step's global batch. fixed: replica
     r of R trains G/R samples (lockstep: the slowest replica sets the pace); weight: in
@@ -100,7 +111,7 @@ class DiLoCoConfig:
     def __post_init__(self):
         check_choices(self)
         if self.diloco_lighthouse is not None:
-            require(self.diloco_lighthouse.startswith(("http://", "https://")) and ":" in self.diloco_lighthouse[8:],
+            require(self.diloco_lighthouse.startswith(("http://", "https://")) and port_of(self.diloco_lighthouse),
                     "diloco_lighthouse", f"{self.diloco_lighthouse!r} is not an address http://HOST:PORT")
             require(self.diloco_replicas >= 1, "diloco_lighthouse", "needs --diloco-replicas R (the replicas expected)")
             require(self.diloco_replica_id is not None, "diloco_replica_id",
@@ -110,8 +121,10 @@ class DiLoCoConfig:
                     f"{self.diloco_replicas})")
             require(1 <= self.diloco_min_replicas <= self.diloco_replicas, "diloco_min_replicas",
                     f"{self.diloco_min_replicas} is not in 1 ... --diloco-replicas ({self.diloco_replicas})")
-            require(self.diloco_quorum_timeout_s > 0 and self.diloco_exchange_timeout_s > 0,
-                    "diloco_quorum_timeout_s", "the timeouts must be > 0")
+            require(self.diloco_quorum_timeout_s > 0, "diloco_quorum_timeout_s",
+                    f"{self.diloco_quorum_timeout_s} is not > 0")
+            require(self.diloco_exchange_timeout_s > 0, "diloco_exchange_timeout_s",
+                    f"{self.diloco_exchange_timeout_s} is not > 0")
             require(self.diloco_outer_ranks is None or self.diloco_outer_ranks >= 1, "diloco_outer_ranks",
                     f"{self.diloco_outer_ranks} is not >= 1")
             require(self.diloco_replica_weight > 0, "diloco_replica_weight",

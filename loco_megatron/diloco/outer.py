@@ -117,15 +117,20 @@ class OuterStep:
         """Whether iteration ``t`` applies an outer step (the schedule alone decides)."""
         return bool(self.schedule.applies(t) if self.schedule.delay else self.schedule.starts(t))
 
-    def after_step(self, t: int) -> None:
-        """Everything the schedule puts after the inner step of iteration ``t``."""
-        sched = self.schedule
+    def _second_phases(self, t: int) -> None:
+        """After every step: the metrics' every-step reference, and the second phase of the
+        exchanges started one step earlier (``tau >= 2``)."""
         self._every_step()
-        if sched.delay >= 2:
-            for key in self._keys(sched.second_phase(t)):
+        if self.schedule.delay >= 2:
+            for key in self._keys(self.schedule.second_phase(t)):
                 work = self.pending.get(key, (t, None))[1]
                 if isinstance(work, OuterWork):
                     work.second_phase()
+
+    def after_step(self, t: int) -> None:
+        """Everything the schedule puts after the inner step of iteration ``t``."""
+        sched = self.schedule
+        self._second_phases(t)
         applies = sched.applies(t) if sched.delay else []
         starts = sched.starts(t)
         if not (applies or starts):

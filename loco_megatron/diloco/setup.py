@@ -3,15 +3,11 @@ inter-instance groups (see :mod:`.layout` for the replicas)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from loco_megatron.config import Config
-from loco_megatron.config.run import batch_granule
-from loco_megatron.diloco.batch_split import fixed_share
 from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.fragments import fragment_of
 from loco_megatron.diloco.outer import OuterStep, ShardViews
@@ -80,9 +76,10 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     if coordinator is None:
         channels, makers = _shard_channels(config, optimizer, fragment, outer_group(d.diloco_replicas), ops,
                                            channel_maker)
-        space = None
     else:
-        channels, makers, space = _lane_channels(config, chunks, optimizer, fragment, coordinator, channel_maker)
+        from loco_megatron.diloco.elastic.setup import lane_channels
+
+        channels, makers, space = lane_channels(config, chunks, optimizer, fragment, coordinator, channel_maker)
 
     def record(work) -> None:  # once per exchange, when it completed (see OuterStep)
         stats.add_interval("outer_time", work.launch_mark, work.done_mark)
@@ -99,33 +96,9 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
             lambda: stats.add_outer_reference(every_step), log)
     if coordinator is None:
         return OuterStep(*args)
-    from loco_megatron.diloco.elastic import config_hash
-    from loco_megatron.diloco.elastic_step import ElasticOuterStep, SplitSettings
+    from loco_megatron.diloco.elastic.setup import elastic_outer_step
 
-    # What every replica must share: the model (its lanes' space: every tensor's key and
-    # shape, per fragment), the outer settings (the batch split's mode among them), the
-    # global batch and the seed (the first replica's initial weights are everyone's).
-    local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s",
-             "diloco_replica_weight")
-    # (not the layout: TP, PP, DP and the micro batch are each replica's own)
-    shared = [{k: v for k, v in dataclasses.asdict(d).items() if k not in local + ("diloco_outer_ranks",)},
-              lc.loco_block_size, lc.loco_quant_seed, sorted(options.__dict__.items()), config.model.seq_length,
-              config.data.global_batch_size, config.train.seed, space]
-    p, gbs, device = config.parallel, config.data.global_batch_size, coordinator.device
-
-    def slowest(seconds: float) -> float:  # (at an outer step, which waits for the others anyway)
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    split = SplitSettings(d.diloco_batch_split, gbs,
-                          batch_granule(config.data.micro_batch_size, config.data_parallel_size(dist.get_world_size()),
-                                        p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size),
-                          d.diloco_replica_weight,
-                          fixed_share(d.diloco_replica_id, d.diloco_replicas, gbs) if d.diloco_batch_split == "fixed"
-                          else None, slowest)
-    return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
-                            relay=lambda key: makers[key](), split=split)
+    return elastic_outer_step(config, args, options, space, coordinator, makers)
 
 
 def _shard_channels(config: Config, optimizer, fragment: Callable, group, ops: CollectiveOps,
@@ -148,45 +121,3 @@ def _shard_channels(config: Config, optimizer, fragment: Callable, group, ops: C
             makers[key] = channel_maker(views.numel, key, views.views[0].device, group, ops, None, exact=tied)
             channels[key] = (views, makers[key](), i, f)
     return channels, makers
-
-
-def _lane_channels(config: Config, chunks: list, optimizer, fragment: Callable, coordinator,
-                   channel_maker: Callable) -> tuple[dict, dict, list]:
-    """Elastic DiLoCo: per fragment, this rank's lane (:mod:`.lanes`; an empty one off the
-    hosts) and the mover between the replica's shards and its lanes; and the lanes' space
-    (what every replica must share). Collective over the job (an all-gather of every
-    rank's blocks on the control group, the first gathers of the lanes)."""
-    from loco_megatron.checkpoint.dist_optimizer import _model_meta
-    from loco_megatron.diloco.lanes import LaneMover, LaneViews, NoLane, Space, check_cover, shard_blocks
-    from loco_megatron.loco.hooks.diloco import main_shards
-
-    d = config.diloco
-    meta = _model_meta({f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)})
-    mine = [b for pairs in main_shards(optimizer) for param, start, end, view in pairs
-            for b in shard_blocks(meta[param], start, end, view, fragment(param))]
-    table: list = [None] * dist.get_world_size()
-    dist.all_gather_object(table, [b.describe() for b, _ in mine], group=coordinator.control)
-    shapes: dict[int, dict[str, tuple]] = {}
-    for rank_blocks in table:
-        for key, shape, _, _, _, f in rank_blocks:
-            if shapes.setdefault(f, {}).setdefault(key, shape) != shape:
-                raise ValueError(f"DiLoCo lanes: {key} has shapes {shape} and {shapes[f][key]} on different ranks")
-
-    def all_to_all(output, input, output_sizes, input_sizes) -> None:  # over this replica (the job)
-        dist.all_to_all_single(output, input, output_sizes, input_sizes)
-
-    channels, makers, signature = {}, {}, []
-    for f in sorted(shapes):
-        space = Space(shapes[f], coordinator.lanes)
-        check_cover(space, table, f)
-        mover = LaneMover(space, f, table, mine, dist.get_rank(), all_to_all, coordinator.device)
-        key = f"fragment{f}"
-        if mover.lane is not None and mover.numel:
-            # stochastic rounding: this lane's place among every replica's lanes
-            makers[key] = channel_maker(mover.numel, key, coordinator.device, None, coordinator.ops,
-                                        d.diloco_replica_id * coordinator.lanes + mover.lane)
-        else:
-            makers[key] = NoLane
-        channels[key] = (LaneViews(mover), makers[key](), 0, f)
-        signature.append((f, space.signature()))
-    return channels, makers, signature

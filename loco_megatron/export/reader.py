@@ -158,6 +158,10 @@ def model_source(path: pathlib.Path, replica: Optional[int] = None) -> tuple[str
     if "final" in prefixes:
         return "diloco.final.", "the agreed model (after the run's final outer step)"
     if "agreed" in prefixes:
+        outer = dist_checkpointing.load_common_state_dict(str(path)).get("diloco") or {}
+        if int(outer.get("outer_steps", 1)) == 0:  # (the agreed parameters are still the initial weights)
+            raise ConfigError(f"--load: {path} holds no trained agreed model: its run committed no outer step yet "
+                              f"(the agreed parameters are the initial weights); --replica R reads replica R's own model")
         return "diloco.agreed.", "the agreed parameters of the last outer step"
     return "", ""
 

@@ -50,13 +50,18 @@ def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopReque
         print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
         if coordinator is not None:
             print(f"  DiLoCo replica {config.diloco.diloco_replica_id}: took part in {coordinator.took_part} of the "
-                  f"{coordinator.committed} outer steps committed while it was live; {run.outer.inner_steps} inner "
+                  f"{coordinator.committed} outer steps committed while it was live ({run.outer.outer_steps} in the "
+                  f"run); {run.outer.inner_steps} inner "
                   f"steps, {summary['summary/tokens']:,} tokens trained by this replica; "
                   f"{summary['summary/diloco_outer_wait_s']:.1f} s at outer steps "
                   f"({100 * summary['summary/diloco_outer_wait_share']:.1f}% of its wall time)", flush=True)
         run.logger.summary(state.iteration, summary)
     if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
         raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
+    unfinished = getattr(run.outer, "unfinished", "")
+    if unfinished:  # elastic DiLoCo with no agreed model to end on: saved (this replica's training), not a result
+        saved = f"; the checkpoint at iteration {state.iteration} keeps this replica's training" if ckpt.save_root else ""
+        raise RunAborted(f"{unfinished}{saved}; resume it with --load once the other replicas can take part")
     return last
 
 
@@ -74,5 +79,7 @@ def final_outer_step(run, totals: RunTotals) -> None:
             else "nothing to exchange")
     applied = f", applied {done['in_flight']} exchange(s) in flight" if done["in_flight"] else ""
     sent = f", {comm['comm/outer_bytes_sent'] / 2**20:.2f} MiB sent by rank 0" if done["exchanged"] else ""
+    if run.outer.final is None:  # (elastic: no agreed model to end on; end_of_run says why, after the save)
+        return
     say(run.layout, f"DiLoCo: final outer step at iteration {t}: {what}{applied}{sent}; every replica takes the "
                     f"agreed parameters (saved as diloco.final, which the export reads)")

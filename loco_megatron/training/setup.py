@@ -14,7 +14,7 @@ from loco_megatron.checkpoint.model_shape import model_shape
 from loco_megatron.cli import LaunchEnv
 from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.dataset import MicroBatchIterator, build_datasets
-from loco_megatron.diloco.batch_split import Share, fixed_share
+from loco_megatron.diloco.elastic.split import Share, fixed_share
 from loco_megatron.diloco.flags import ReplicaFlags, cross_replica_gloo_group
 from loco_megatron.diloco.layout import describe as describe_replicas
 from loco_megatron.distributed import ParallelLayout
@@ -184,19 +184,19 @@ def set_up(config: Config, env: LaunchEnv, platform: Platform, layout: ParallelL
 def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, device: torch.device):
     """This rank's :class:`~loco_megatron.diloco.elastic.ElasticCoordinator` (its torchft
     Manager starts at the first cycle)."""
-    from loco_megatron.diloco.elastic import ElasticCoordinator
+    from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
 
     d = config.diloco
     if env.store_at is None:
         raise ConfigError("--diloco-lighthouse: start each replica with torchrun (its Manager needs the job's "
                           "store: MASTER_ADDR and MASTER_PORT)")
-    from loco_megatron.diloco.lanes import hosts
+    from loco_megatron.diloco.elastic.lanes import hosts
 
-    lanes = d.diloco_outer_ranks or layout.world_size
+    lanes = d.diloco_outer_ranks or 1  # (the default: one lane, which a job of any size hosts)
     placed = hosts(layout.world_size, lanes)
     # (gloo: the cycle's decisions are small objects, whatever the job's own backend)
     control = torch.distributed.new_group(backend="gloo")
-    return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas, d.diloco_min_replicas,
+    return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas,
                               layout.rank, placed.index(layout.rank) if layout.rank in placed else None, lanes,
                               env.store_at, control, device, d.diloco_quorum_timeout_s, d.diloco_exchange_timeout_s,
                               say_fn(layout.is_logging_rank), env.torchft_log)
@@ -211,13 +211,16 @@ def bind_heal(run: Run) -> None:
     def progress() -> dict:
         return {"iteration": state.iteration, "scheduler_steps": scheduler.num_steps}
 
-    def take(theirs: dict) -> None:
+    def take(theirs: dict, kept: bool) -> None:
         state.iteration = int(theirs["iteration"])
         scheduler.num_steps = int(theirs["scheduler_steps"])
         scheduler.step(increment=0)  # the learning rate of that position
         batches.consumed_samples = state.iteration * batches.gbs
-        say(layout, "DiLoCo: the inner optimizer state is " + (f"this replica's own, from {run.resume}"
-                                                               if run.resume else "fresh (no checkpoint of this replica)"))
+        if kept:
+            whose = "this replica's own, kept from its training so far"
+        else:
+            whose = f"this replica's own, from {run.resume}" if run.resume else "fresh (no checkpoint of this replica)"
+        say(layout, f"DiLoCo: the inner optimizer state is {whose}")
 
     run.outer.bind_progress(progress, take, batches.set_share)
 

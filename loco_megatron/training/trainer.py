@@ -43,10 +43,10 @@ def train(config: Config, env: LaunchEnv, grad_sync_factory: Callable = GradSync
     # (the layout checks are the ones --dry-run makes).
     check_start(config, env.world_size)
     check_replicas(config, env.world_size, config.loco.loco_ranks_per_node or env.local_world_size)
-    if config.diloco.elastic:  # an unreachable lighthouse: one line within seconds, before any set-up
-        from loco_megatron.diloco.elastic import check_lighthouse
+    if config.diloco.elastic:  # no lighthouse there, or its run ended: one line within seconds, before any set-up
+        from loco_megatron.diloco.elastic.lighthouse import check_lighthouse
 
-        check_lighthouse(config.diloco.diloco_lighthouse)
+        check_lighthouse(config.diloco.diloco_lighthouse, config.train.train_iters)
     cache_dir = config.data.data_cache_path or str(pathlib.Path(env.cache_home) / "loco_megatron")
     sources = resolve_data(config, cache_dir, say_fn(env.rank == 0), env.hf_hub_offline)
     precheck = Checkpointer(config.checkpoint.save, config.checkpoint.load, env.rank, {})

@@ -4,8 +4,14 @@ Every step of the run trains one global batch of ``G`` samples (``--global-batch
 step ``t`` owns samples ``t*G ... (t+1)*G - 1`` of the sample stream, and each live replica
 trains one contiguous :class:`Share` of them. Shares are disjoint and cover the batch, so
 no sample is trained twice or skipped while the replicas stay; a share changes only at an
-outer step, on every replica at once (every replica computes it from the same gathered
-fingerprints), so the stream of each replica stays its own.
+outer step that commits, on every replica at once (every replica computes it from the same
+gathered fingerprints), so the stream of each replica stays its own.
+
+A split names the replica set it was made for: :func:`split_id` of its shares, which every
+replica carries in its fingerprint with its own share. The shares are kept only when every
+member holds the same split and their shares tile the batch (the split was made for exactly
+these replicas); a replica that comes, goes or returns with a split of its own (one that
+missed a re-split while it was away) makes every replica split again.
 
 * ``fixed``: replica ``r`` of ``R`` trains ``G/R`` samples at offset ``r*G/R`` (lockstep:
   a slower replica holds the others at each outer step).
@@ -25,6 +31,7 @@ Pure functions of integers and floats: no torch, no collectives.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Optional
 
@@ -57,6 +64,8 @@ class Member:
     """--diloco-replica-weight."""
     granule: int = 1
     """Its smallest share (micro batch x its data-parallel size; replicas' layouts differ)."""
+    split: int = 0
+    """:func:`split_id` of the split it holds (0: none)."""
 
 
 def common_granule(members: list[Member], global_batch: int) -> int:
@@ -121,12 +130,27 @@ def rates_of(mode: str, members: list[Member]) -> list[float]:
     return [m.weight for m in members]
 
 
+def split_id(shares: dict[int, Share]) -> int:
+    """A positive 63-bit name of a split: its replicas and their shares (0 means none)."""
+    text = repr(sorted((r, s.offset, s.samples) for r, s in shares.items())).encode()
+    return (int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1) or 1
+
+
+def held_by_all(members: list[Member], global_batch: int) -> bool:
+    """Whether the members hold one split made for exactly them: the same :func:`split_id`
+    everywhere, a share for each, the shares summing to the batch (a split tiles the batch
+    among its replicas, so these shares are all of it)."""
+    held = {m.split for m in members}
+    return len(held) == 1 and 0 not in held and min(m.samples for m in members) > 0 \
+        and sum(m.samples for m in members) == global_batch
+
+
 def next_split(mode: str, members: list[Member], global_batch: int) -> Optional[dict[int, Share]]:
     """The shares from this outer step on, or None to keep the current ones. ``members``:
     every live replica (the same list, in the same order, on every replica). The current
-    shares are kept when they still cover the batch (no replica came or went) and, in
-    ``throughput`` mode, a re-split would not gain more than :data:`MIN_GAIN`. Shares are
-    whole :func:`common_granule`s."""
+    shares are kept when the members hold one split made for exactly them
+    (:func:`held_by_all`) and, in ``throughput`` mode, a re-split would not gain more than
+    :data:`MIN_GAIN`. Shares are whole :func:`common_granule`s."""
     if mode == "fixed":
         return None
     members = sorted(members, key=lambda m: m.replica)
@@ -134,8 +158,8 @@ def next_split(mode: str, members: list[Member], global_batch: int) -> Optional[
     rates = rates_of(mode, members)
     target = split([m.replica for m in members], rates, global_batch, granule)
     current = [m.samples for m in members]
-    if min(current) == 0 or sum(current) != global_batch:
-        return target  # a replica came or went: the live ones share the whole batch again
+    if not held_by_all(members, global_batch):
+        return target  # a replica came, went or returns with another split: share the whole batch again
     if mode == "weight" or [target[m.replica].samples for m in members] == current:
         return None
     speeds = [m.speed for m in members]

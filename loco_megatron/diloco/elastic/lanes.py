@@ -5,8 +5,9 @@ A replica's ranks hold the fp32 main parameters as its TP x PP x DP layout shard
 maps such a range to rectangular *blocks* of the global, model-space tensor). Replicas of
 different layouts therefore hold different elements on "rank k", so they cannot exchange
 rank by rank. Instead, per fragment, the model's parameters are laid end to end in a
-canonical order (model keys sorted; each tensor row-major over its global shape), giving
-a space of ``N`` elements that depends on the model alone; lane ``j`` of ``L``
+canonical order (model keys sorted; each key's box row-major: the whole global tensor, or
+the rows of the fragment's layers where megatron stacks the layers in one tensor), giving a
+space of ``N`` elements that depends on the model and the fragments alone; lane ``j`` of ``L``
 (--diloco-outer-ranks) is elements ``j*N//L ... (j+1)*N//L - 1``, hosted by rank
 ``j * (W // L)`` of each replica's ``W`` ranks. Lane hosts exchange with the same lane
 of the other replicas; the agreed parameters, momentum and error buffers live there.
@@ -109,47 +110,91 @@ def intersect(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> Optional[tuple[
 
 
 class Space:
-    """One fragment's canonical space: ``keys`` sorted, each its global tensor row-major."""
+    """One fragment's canonical space: per model key (sorted) the box of its global tensor
+    the fragment holds (all of it, or, for the layers megatron stacks into one tensor, the
+    rows of the fragment's layers), laid end to end, each box row-major.
 
-    def __init__(self, shapes: dict[str, tuple], lanes: int):
-        self.keys = sorted(shapes)
-        self.shapes = {k: tuple(shapes[k]) for k in self.keys}
+    ``boxes``: key -> ``(global shape, origin, shape)`` of the box in the global tensor;
+    a key -> shape entry means the whole tensor."""
+
+    def __init__(self, boxes: dict, lanes: int):
+        self.keys = sorted(boxes)
+        self.global_shapes, self.origins, self.shapes = {}, {}, {}
+        for k in self.keys:
+            box = boxes[k]
+            if box and isinstance(box[0], tuple):
+                g, o, shp = (tuple(x) for x in box)
+            else:  # the whole tensor
+                g, o, shp = tuple(box), (0,) * len(box), tuple(box)
+            self.global_shapes[k], self.origins[k], self.shapes[k] = g, o, shp
         self.base, at = {}, 0
         for k in self.keys:
             self.base[k] = at
             at += math.prod(self.shapes[k])
         self.numel, self.lanes = at, lanes
 
+    @classmethod
+    def of_blocks(cls, table: list[list[tuple]], fragment: int, lanes: int) -> "Space":
+        """The space of ``fragment`` from every rank's blocks (``table``: per rank its
+        :meth:`Block.describe` list): per key the bounding box of the fragment's blocks
+        (every copy's, main or not). ValueError when a key's global shape differs between
+        ranks."""
+        seen: dict[str, tuple] = {}
+        for rank_blocks in table:
+            for key, global_shape, origin, shape, _, f in rank_blocks:
+                if f != fragment:
+                    continue
+                if key in seen:
+                    g, lo, hi = seen[key]
+                    if g != tuple(global_shape):
+                        raise ValueError(f"DiLoCo lanes: {key} has shapes {tuple(global_shape)} and {g} on "
+                                         "different ranks")
+                    seen[key] = (g, tuple(map(min, lo, origin)),
+                                 tuple(max(h, o + n) for h, o, n in zip(hi, origin, shape)))
+                else:
+                    seen[key] = (tuple(global_shape), tuple(origin), tuple(o + n for o, n in zip(origin, shape)))
+        return cls({k: (g, lo, tuple(h - l for l, h in zip(lo, hi))) for k, (g, lo, hi) in seen.items()}, lanes)
+
     def lane(self, j: int) -> tuple[int, int]:
         """Lane ``j``'s element range [lo, hi)."""
         return j * self.numel // self.lanes, (j + 1) * self.numel // self.lanes
 
-    def lane_boxes(self, key: str, j: int) -> list[tuple[tuple, tuple]]:
-        """The boxes of ``key``'s global tensor that lane ``j`` holds, in flat order."""
+    def _range(self, key: str, j: int) -> tuple[int, int]:
+        """The part [a, b) of ``key``'s box (flat, row-major in the box) in lane ``j``."""
         lo, hi = self.lane(j)
         base, size = self.base[key], math.prod(self.shapes[key])
-        a, b = max(lo - base, 0), min(hi - base, size)
-        return list(blocks(self.shapes[key], a, b)) if a < b else []
+        return max(lo - base, 0), min(hi - base, size)
+
+    def lane_boxes(self, key: str, j: int) -> list[tuple[tuple, tuple]]:
+        """The boxes of ``key``'s global tensor that lane ``j`` holds (global coordinates),
+        in flat order."""
+        a, b = self._range(key, j)
+        origin = self.origins[key]
+        return [(tuple(o + x for o, x in zip(origin, off)), shape)
+                for off, shape, _ in row_major_blocks(self.shapes[key], a, b)] if a < b else []
 
     def lane_blocks(self, j: int) -> list[tuple]:
         """``(key, global shape, origin, shape, offset in the lane)`` of every block lane ``j``
-        holds, in lane order (each block a contiguous run of the lane)."""
-        lo, hi = self.lane(j)
+        holds, in lane order (each block a contiguous run of the lane; global coordinates)."""
+        lo = self.lane(j)[0]
         out = []
         for k in self.keys:
-            a, b = max(lo - self.base[k], 0), min(hi - self.base[k], math.prod(self.shapes[k]))
-            for origin, shape, flat in (row_major_blocks(self.shapes[k], a, b) if a < b else ()):
-                out.append((k, self.shapes[k], origin, shape, self.base[k] + flat - lo))
+            a, b = self._range(k, j)
+            origin = self.origins[k]
+            for off, shape, flat in (row_major_blocks(self.shapes[k], a, b) if a < b else ()):
+                out.append((k, self.global_shapes[k], tuple(o + x for o, x in zip(origin, off)), shape,
+                            self.base[k] + flat - lo))
         return out
 
     def lane_view(self, buf: torch.Tensor, j: int, key: str, box: tuple[tuple, tuple]) -> torch.Tensor:
-        """The elements of ``box`` (of ``key``) in ``buf``, lane ``j``'s flat buffer."""
+        """The elements of ``box`` (of ``key``, global coordinates) in ``buf``, lane ``j``'s
+        flat buffer."""
         strides = row_major(self.shapes[key])
-        at = self.base[key] - self.lane(j)[0] + sum(o * s for o, s in zip(box[0], strides))
+        at = self.base[key] - self.lane(j)[0] + sum((o - b) * s for o, b, s in zip(box[0], self.origins[key], strides))
         return torch.as_strided(buf, box[1], strides, buf.storage_offset() + at)
 
     def signature(self) -> list:
-        return [(k, self.shapes[k]) for k in self.keys]
+        return [(k, self.global_shapes[k], self.origins[k], self.shapes[k]) for k in self.keys]
 
 
 def check_cover(space: Space, table: list[list[tuple]], fragment: int) -> None:
@@ -163,7 +208,8 @@ def check_cover(space: Space, table: list[list[tuple]], fragment: int) -> None:
     wrong = [k for k in space.keys if held[k] != math.prod(space.shapes[k])]
     if wrong:
         raise ValueError(f"DiLoCo lanes: the replica's main copies hold {held[wrong[0]]} of the "
-                         f"{math.prod(space.shapes[wrong[0]])} elements of {wrong[0]} (a layout the lanes do not map)")
+                         f"{math.prod(space.shapes[wrong[0]])} elements of {wrong[0]} in fragment {fragment} "
+                         "(a layout the lanes do not map)")
 
 
 class LaneMover:

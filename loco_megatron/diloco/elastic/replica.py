@@ -1,0 +1,287 @@
+"""One elastic replica's outer state between cycles: the outer step's state
+(:class:`~loco_megatron.diloco.outer.OuterStep`'s agreed parameters, momentum and channels,
+here over lanes), its batch share and the split it belongs to, the samples it trained,
+what it says of itself in a cycle (its fingerprint), how it takes another replica's state
+(a heal, an agreement), and its checkpoint. :class:`~.step.ElasticOuterStep` drives it
+through the cycles."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from loco_megatron.diloco.elastic.agreement import state_hash
+from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
+from loco_megatron.diloco.elastic.cycle import Cycle, Fingerprint, live_mask, plan
+from loco_megatron.diloco.elastic.split import Share
+from loco_megatron.diloco.outer import OuterStep
+from loco_megatron.failures import RunAborted
+
+
+@dataclasses.dataclass
+class SplitSettings:
+    """How the replicas share each step's global batch (:mod:`.split`)."""
+
+    mode: str
+    """--diloco-batch-split."""
+    global_batch: int
+    granule: int
+    """The smallest share (:func:`loco_megatron.config.run.batch_granule`)."""
+    weight: float
+    """--diloco-replica-weight."""
+    initial: Optional[Share]
+    """This replica's share before any outer step: fixed's, or None (agreed at the first)."""
+    slowest: Callable[[float], float] = float
+    """``slowest(seconds)``: the largest of every rank of this job's ``seconds`` (a
+    collective over the job; called at each cycle under ``throughput`` only)."""
+
+
+@dataclasses.dataclass
+class Rules:
+    """What the plan needs besides the fingerprints."""
+
+    expected: int
+    """--diloco-replicas."""
+    min_replicas: int
+    """--diloco-min-replicas."""
+    world: int
+    """This job's ranks."""
+
+
+class ReplicaStep(OuterStep):
+    """The state of :class:`~.step.ElasticOuterStep` (see the module docstring); its
+    arguments are that class's."""
+
+    def __init__(self, *args, coordinator: ElasticCoordinator, replica: int, config_hash: int,
+                 relay: Callable[[str], object], split: SplitSettings, rules: Rules, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coordinator, self.replica, self.config_hash = coordinator, replica, config_hash
+        self.rules = rules
+        self._relay = relay
+        self._progress: Callable[[], dict] = dict
+        self._take_progress: Callable[[dict, bool], None] = lambda state, kept: None
+        self._set_share: Callable[[int, int], None] = lambda offset, samples: None
+        self.split = split
+        self.share: Optional[Share] = split.initial
+        """This replica's share of each step's global batch (None: not agreed yet)."""
+        self.split_id = 0
+        """:func:`.split.split_id` of the split :attr:`share` belongs to (0: none / fixed)."""
+        self.speed = 0.0
+        """Samples per second over the last outer interval (0: not measured yet)."""
+        self._train_s, self._interval_steps = 0.0, 0
+        self.inner_steps = 0
+        """Inner steps this job trained."""
+        self.samples_trained = 0
+        """Samples this replica trained (its shares of the steps it took; kept in checkpoints)."""
+        self._since = {f: 0 for f in {frag for _, _, _, frag in self.channels.values()}}
+        """Per fragment, :attr:`samples_trained` at its last outer step (what its next outer
+        gradient was trained on is the difference)."""
+        self._waited_s = 0.0
+        self.waited_total_s = 0.0
+        """Seconds this job spent at outer steps after its first (quorum, exchange, commit:
+        in lockstep with a slower replica, mostly waiting for it)."""
+        self._laid_for: tuple = ()
+        """The contributors the channels are laid out for (their rows are per replica)."""
+        self._snapshots: dict[str, tuple] = {}
+        """Channels exchanging in the open cycle: (the channel, its error buffers) as before
+        it; a discarded cycle puts them back."""
+        self._open: Optional[Cycle] = None
+        """The cycle whose outer step is in flight (tau > 0), closed where it applies."""
+        self.unfinished = ""
+        """After :meth:`finish`: non-empty when the run has no agreed final model (the line why)."""
+        self._shares: Optional[dict] = None
+        """The split :attr:`split_id` names (replica id -> Share), or None."""
+        self._synced_at: dict[int, int] = {}
+        """Per fragment, the iteration its last outer step committed at."""
+        coordinator.heal_state = self.heal_state
+
+    def bind_progress(self, progress: Callable[[], dict], take_progress: Callable[[dict, bool], None],
+                      set_share: Callable[[int, int], None]) -> None:
+        """``progress()``: this replica's iteration and LR schedule position (a dict with
+        ``iteration``); ``take_progress(state, kept)`` sets them (and the data position) from
+        a live replica's :meth:`heal_state` (``kept``: this job trained before, so its inner
+        optimizer state is its own); ``set_share(offset, samples)``: the samples of each
+        step's global batch this replica trains from the next step on."""
+        self._progress, self._take_progress, self._set_share = progress, take_progress, set_share
+
+    # -- what the replica trains and waits -----------------------------------------------------
+    def count_step(self, seconds: float) -> None:
+        """One inner step done, ``seconds`` of training (the speed the batch split measures)."""
+        self._train_s += seconds
+        self._interval_steps += 1
+        self.inner_steps += 1
+        self.samples_trained += self.share.samples if self.share is not None else self.split.global_batch
+
+    def take_wait(self) -> float:
+        """Seconds spent at outer steps since the last call (the log window's)."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
+
+    def _iteration(self) -> int:
+        return int(self._progress().get("iteration", 0))
+
+    # -- the fingerprint -------------------------------------------------------------------------
+    def _common(self, t: int, joining: bool, ready: bool, recheck: bool = False) -> Fingerprint:
+        """This replica's fingerprint but its lane's state (every rank: under ``throughput``
+        a collective over the job, so every rank of a replica puts the same speed in);
+        ends the interval's speed measurement."""
+        if self.split.mode == "throughput":
+            seconds = self.split.slowest(self._train_s)
+            if self._interval_steps and seconds > 0 and self.share is not None:
+                self.speed = self._interval_steps * self.share.samples / seconds
+        self._train_s, self._interval_steps = 0.0, 0
+        frags = self.schedule.starts(t)
+        trained = self.samples_trained - self._since[frags[0]] if frags else 0
+        share = self.share or Share(0, 0)
+        return Fingerprint(self.replica, self.config_hash, t, joining, outer_steps=self.outer_steps,
+                           split=self.split_id, offset=share.offset, samples=share.samples, trained=trained,
+                           speed=round(self.speed * 1000), weight=round(self.split.weight * 1000),
+                           lanes=self.coordinator.lanes, granule=self.split.granule, ready=ready,
+                           world=self.rules.world, live=live_mask(self.coordinator.live), recheck=recheck)
+
+    def _lane_fingerprint(self, common: Fingerprint, healed: Optional[dict]) -> Fingerprint:
+        """``common`` with this lane's state (after a heal: what it took, and the source's
+        progress and split)."""
+        if healed is None:
+            return dataclasses.replace(common, state=state_hash(self.agreed, self.momentum, self.outer_steps))
+        shares = healed.get("shares")
+        share = (shares or {}).get(self.replica, Share(0, 0)) if self.split.mode != "fixed" else self.share
+        return dataclasses.replace(
+            common, iteration=int(healed["iteration"]), outer_steps=int(healed["outer_steps"]), healed=True,
+            state=state_hash(healed["agreed"], healed["momentum"] or {}, int(healed["outer_steps"])),
+            split=int(healed.get("split", 0)), offset=share.offset if share else 0,
+            samples=share.samples if share else 0, trained=0)
+
+    def _plan(self, participants: list[Fingerprint], rank: int, healed: Optional[dict]) -> Cycle:
+        return plan(participants, rank, self.rules.expected, self.rules.min_replicas, self.split.mode,
+                    self.split.global_batch, healed)
+
+    # -- what a live replica sends one that heals ---------------------------------------------
+    def heal_state(self) -> dict:
+        """Per lane host (lane j of every replica holds the same elements, whatever the
+        layouts): the lane's agreed parameters and momentum (by reference: they change only
+        when the cycle closes), the outer step count, the iteration, the LR schedule's
+        position, the batch split and who sent it."""
+        return {**self._progress(), "outer_steps": self.outer_steps, "replica": self.replica,
+                "split": self.split_id, "shares": self._shares, "agreed": self.agreed,
+                "momentum": self.momentum if self.mu else None}
+
+    def _heal(self, cycle: Cycle) -> None:
+        """Take a live replica's state (a committed state of the run: taken at once): on lane
+        hosts the agreed parameters and momentum of the lane, on every rank the progress and
+        the split; then every rank's shards take the agreed parameters."""
+        state = cycle.healed
+        if self.coordinator.lane is not None:
+            mine = {k: a.numel() for k, a in self.agreed.items()}
+            theirs = {k: a.numel() for k, a in state["agreed"].items()}
+            if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
+                raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's lanes "
+                                 f"({theirs} there, {mine} here)")
+            self._adopt(state["agreed"], state["momentum"])
+        kept = self.inner_steps > 0
+        self._restart_outer(int(state["outer_steps"]))
+        if self.split.mode != "fixed":
+            shares = state.get("shares")
+            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
+        nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
+        self._log(f"DiLoCo: healed from replica {state['replica']} over torchft's transport: the agreed parameters "
+                  f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {state['iteration']} and "
+                  f"the LR schedule's position")
+        self._take_progress(state, kept)
+
+    def _adopt(self, agreed: dict, momentum: Optional[dict]) -> None:
+        """This lane's agreed parameters and momentum <- ``agreed``/``momentum`` (momentum None: zero)."""
+        for key, a in self.agreed.items():
+            a.copy_(agreed[key])
+            if self.momentum[key] is not None:
+                if momentum is None or momentum.get(key) is None:
+                    self.momentum[key].zero_()
+                else:
+                    self.momentum[key].copy_(momentum[key])
+
+    def _restart_outer(self, outer_steps: int) -> None:
+        """After the agreed state changed hands (a heal, an agreement): nothing in flight, error
+        buffers at zero, the local parameters the agreed ones, every fragment's interval anew."""
+        dropped = len(self.pending)
+        had_errors = self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+        self.pending, self._snapshots, self._open = {}, {}, None
+        for _, channel, _, _ in self.channels.values():
+            channel.reset()
+        self.outer_steps = outer_steps
+        self._since = dict.fromkeys(self._since, self.samples_trained)
+        self._take_all(self.agreed)  # local <- agreed, bit for bit, on every rank of the replica
+        if had_errors or dropped:
+            self._log("DiLoCo: the outer error buffers start at zero"
+                      + (f" and the {dropped} outer exchange(s) in flight are dropped" if dropped else ""))
+
+    def _take_all(self, tensors: dict) -> None:
+        """Every rank's shards <- ``tensors`` (per channel, this rank's lane), then a megatron
+        optimizer step with nothing to step, which copies the main parameters into the model
+        and all-gathers them in the replica. The scatter runs before that step, not inside
+        it: a rank whose sub-optimizer holds no parameters (a stub) never enters the step's
+        update, and the scatter is a collective over all of the replica's ranks."""
+        for key, (views, _, _, _) in self.channels.items():
+            views.take(tensors[key], 0.0)
+        self._run_step(lambda sub: None)
+
+    def _take_split(self, shares: Optional[dict], ident: int) -> None:
+        self._shares, self.split_id = shares, ident
+        share = (shares or {}).get(self.replica)
+        self.share = share
+        if share is not None:
+            self._set_share(share.offset, share.samples)
+
+    def lane_blocks(self, key: str) -> list[tuple]:
+        """For a checkpoint in model space: channel ``key``'s lane as blocks
+        (:meth:`.lanes.Space.lane_blocks`; none off the hosts)."""
+        mover = self.channels[key][0].mover
+        return mover.space.lane_blocks(mover.lane) if mover.lane is not None else []
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    def common_state(self) -> dict:
+        return {**super().common_state(), "elastic": {
+            **self.coordinator.state_dict(), "samples_trained": self.samples_trained,
+            "since": {str(f): n for f, n in self._since.items()}, "split": self.split_id,
+            "shares": {str(r): [s.offset, s.samples] for r, s in (self._shares or {}).items()}}}
+
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        """As :meth:`OuterStep.load_state_dict`, decided alike on every rank of the job: a
+        rank hosting no lane loads nothing (a checkpoint may give it no outer state at all),
+        so whether the lanes start afresh is the lane hosts' verdict, and the outer-step
+        count and the split are rank 0's. A state that does not fit starts from this
+        replica's loaded parameters: the replicas' states then differ, and the first cycle
+        makes them agree on one (:mod:`.agreement`)."""
+        import torch.distributed as dist
+
+        host = self.coordinator.lane is not None
+        fits = not host or (sd is not None and set(sd["agreed"]) == set(self.channels)
+                            and all(sd["agreed"][k].numel() == a.numel() for k, a in self.agreed.items()))
+        verdict = torch.tensor([int(fits)])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.coordinator.control)
+        if not verdict.item():
+            self._agree_on_loaded()
+            self._log("DiLoCo: the checkpoint's outer state does not fit this run's lanes; the outer step starts "
+                      "afresh from this replica's loaded parameters (the replicas agree on one model at the first "
+                      "outer step)")
+        elif sd is not None:
+            super().load_state_dict(sd)
+        elastic = self.coordinator.decide([self.outer_steps, (sd or {}).get("elastic")])
+        self.outer_steps = int(elastic[0])
+        saved = elastic[1] or {}
+        self.coordinator.load_state_dict(saved)
+        if saved.get("shares") and self.split.mode != "fixed":
+            shares = {int(r): Share(int(o), int(n)) for r, (o, n) in saved["shares"].items()}
+            self._take_split(shares, int(saved.get("split", 0)))
+        self.samples_trained = int(saved.get("samples_trained", 0))
+        self._since = {f: int(saved.get("since", {}).get(str(f), self.samples_trained)) for f in self._since}
+
+    def _agree_on_loaded(self) -> None:
+        """Outer state afresh from the loaded model (the lanes read from the shards)."""
+        for key, (views, channel, _, _) in self.channels.items():
+            views.read(self.agreed[key])
+            if self.momentum[key] is not None:
+                self.momentum[key].zero_()
+            channel.reset()
+        self.pending = {}
