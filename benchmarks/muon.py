@@ -112,7 +112,7 @@ def _trace_ms(path: pathlib.Path, name: str) -> float:
     return sum(e.get("dur", 0) for e in events if e.get("name") == name and e.get("ph") == "X") / 1e3
 
 
-def speed(out: pathlib.Path, pairs: int, iters: int, timeout: float) -> list[str]:
+def speed(out: pathlib.Path, pairs: int, iters: int, timeout: float, extra: list[str] = ()) -> list[str]:
     """Muon's step time against AdamW's at the default model (configs/tiny_gpt.yaml, 2 ranks,
     no LoCo), ``pairs`` times each, alternating so a change in the machine's load hits both;
     per run the median ``train/step_s`` of steps 11..``iters`` outside the profiled window,
@@ -127,7 +127,8 @@ def speed(out: pathlib.Path, pairs: int, iters: int, timeout: float) -> list[str
             name = f"speed-{opt}-{i}"
             prof = out / "profiles" / name
             flags = ["--optimizer", opt, "--train-iters", str(iters), "--eval-interval", "0", "--log-interval", "1",
-                     "--profile", "--profile-step-start", "6", "--profile-step-end", "10", "--profile-dir", str(prof)]
+                     "--profile", "--profile-step-start", "6", "--profile-step-end", "10", "--profile-dir", str(prof),
+                     *extra]
             print(f"speed: {name}", flush=True)
             run = quality.run(out, name, flags, timeout, 2)
             times = [t["train/step_s"] for t in run.train if 11 <= t["iteration"] <= iters]
@@ -140,7 +141,7 @@ def speed(out: pathlib.Path, pairs: int, iters: int, timeout: float) -> list[str
         rows.append(f"| {i + 1} | {step['adam'] * 1e3:.1f} | {step['muon'] * 1e3:.1f} | {ratios[-1]:.3f} | "
                     f"{shares[-1] * 100:.1f}% |")
     opt_share = {o: statistics.median(x for k, x in optim if k == o) for o in ("adam", "muon")}
-    return [f"## Step time: Muon / AdamW at the default model (configs/tiny_gpt.yaml, 2 ranks, {iters} steps, "
+    return [f"# Step time: Muon / AdamW at the default model (configs/tiny_gpt.yaml, 2 ranks, {iters} steps, "
             f"{pairs} pairs)", "", "| pair | AdamW step (ms, median) | Muon step (ms, median) | Muon / AdamW | "
             "Newton-Schulz share of Muon's step |", "|---|---|---|---|---|", *rows, "",
             f"- median ratio Muon / AdamW: **{statistics.median(ratios):.3f}** (range {min(ratios):.3f}-"
@@ -184,8 +185,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--stages", default="dp,loco,diloco", help="which of dp, loco, diloco to run (dp first)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--report-only", action="store_true", help="no runs: the tables from the finished runs")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 16 steps, one seed, two LRs per grid")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 16 steps, one seed, one LR per grid (plumbing)")
     ap.add_argument("--scales", default="",
                     help="instead of the study: Muon at each of these --muon-extra-scale-factor values and AdamW, at "
                          "each LR of --scale-lrs, on the first of --seeds (scales.md)")
@@ -194,11 +196,12 @@ def main() -> None:
                     help="instead of the study: the step-time ratio, PAIRS alternating AdamW/Muon runs (speed.md)")
     ap.add_argument("--speed-iters", type=int, default=40)
     args = ap.parse_args()
+    cache = ["--data-cache-path", args.data_cache_path] if args.data_cache_path else []
     if args.speed:
         out = pathlib.Path(args.out)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         (out / "runs").mkdir(parents=True, exist_ok=True)
-        lines = speed(out, args.speed, args.speed_iters, args.timeout)
+        lines = speed(out, args.speed, args.speed_iters, args.timeout, cache)
         (out / "speed.md").write_text("\n".join(lines))
         print("\n".join(lines))
         return
@@ -206,11 +209,12 @@ def main() -> None:
              *quality.SMALL_MODEL]
     if args.smoke:
         args.iters, args.seeds, args.final_seeds, args.inner_steps = 16, "1234", "", 16
-        args.adamw_lrs = args.muon_lrs = "1e-3,2e-3"
-        args.outer_lrs = "0.4,0.55"
+        args.adamw_lrs = args.muon_lrs = "1e-3"
+        args.outer_lrs = "0.55"
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                  "--eval-interval", "16", "--eval-iters", "1", "--log-interval", "8"]
+    model += cache
     if args.scales:
         return run_scales(args, model)
     h = args.inner_steps

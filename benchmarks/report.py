@@ -16,7 +16,8 @@ from ``RESULTS/quality2bit`` (``quality.py --variants 2bit``) and
 rewrites only that section of an existing page (``--sections checkpoint``: the
 checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections checkpoint_memory``:
 from ``RESULTS/checkpoint_memory.txt``; ``--sections gpu``: the GPU check, from
-``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh`` writes).
+``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh`` writes;
+``--sections muon``: Muon's section, from ``RESULTS/muon/`` and ``RESULTS/muon_scales/``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import figures  # noqa: E402
 import report_diloco  # noqa: E402
 import report_fast  # noqa: E402
+import report_muon  # noqa: E402
 
 
 def _machine() -> str:
@@ -490,9 +492,12 @@ PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (q
            "checkpoint_memory": (CHECKPOINT_MEMORY_HEADING, checkpoint_memory_section,
                                  "checkpoint_memory.txt (benchmarks/checkpoint.py --memory)"),
            "diloco": (report_diloco.HEADING, report_diloco.section,
-                      "speed_diloco/ or quality_diloco_r2/ (the commands in benchmarks/report_diloco.py)")}
+                      "speed_diloco/ or quality_diloco_r2/ (the commands in benchmarks/report_diloco.py)"),
+           "muon": (report_muon.HEADING, report_muon.section,
+                    "muon/ or muon_scales/ (the commands in benchmarks/report_muon.py)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
-HEADLINES = {"fast": (report_fast.HEADLINE, report_fast.headlines)}
+HEADLINES = {"fast": (report_fast.HEADLINE, report_fast.headlines),
+             "muon": (report_muon.HEADLINE, report_muon.headlines)}
 """``--sections`` name -> (the prefix of its lines in the headline list, their builder)."""
 
 

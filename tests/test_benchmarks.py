@@ -152,6 +152,28 @@ def test_quality_smoke(tmp_path, cache_dir, monkeypatch, capsys):
     assert (tmp_path / "loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_muon_smoke(tmp_path, cache_dir, monkeypatch, capsys):
+    """Guards against the Muon study breaking: data-parallel AdamW and Muon, Muon with LoCo and
+    the four DiLoCo variants train (one LR each) and muon.md pairs every comparison of the
+    study, which report.py's Muon section reads into its headline rows. (Its torchruns on
+    the suite's fork server: _main_on_fork_server.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report_muon
+
+    _main_on_fork_server("muon.py", ["--smoke", "--out", str(tmp_path / "muon"), "--data-cache-path", cache_dir],
+                         monkeypatch, capsys)
+    md = (tmp_path / "muon" / "muon.md").read_text()
+    for pair in ("Muon (lr 0.001) against AdamW (lr 0.001)", "MuLoCo (2-bit outer) (lr 0.55) against MuLoCo (fp32 "
+                 "outer) (lr 0.55)", "Muon + LoCo 4-bit (lr 0.001) against Muon (lr 0.001)"):
+        assert pair in md, md
+    (tmp_path / "muon" / "speed.md").write_text("- median ratio Muon / AdamW: **1.250** (range 1.2-1.3); "
+                                                 "Newton-Schulz: **8.0%** of Muon's step (median)\n")
+    rows = report_muon.headlines(tmp_path)
+    assert len(rows) == 7 and all(r.startswith(report_muon.HEADLINE) for r in rows), rows
+    assert rows[-1].endswith("| 1.250x; 8.0% |  |") and any("| within 0.5% |" in r for r in rows)
+    assert report_muon.section(tmp_path)[0] == report_muon.HEADING
+
+
 def test_speed_smoke(tmp_path, cache_dir):
     """Guards against the speed study breaking: on a 2-node simulated cluster with a
     shaped link it trains bf16, LoCo 4-bit and DiLoCo replicas without an outer exchange
