@@ -24,7 +24,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from loco_megatron.checkpoint.dist_optimizer import _model_meta, _pieces
+from loco_megatron.checkpoint.dist_optimizer import _pieces
+from loco_megatron.checkpoint.model_space import model_tensors
 
 
 def _state_names(inner) -> tuple:
@@ -50,7 +51,7 @@ def sharded_state_dict(optimizer, model_sd: dict, is_loading: bool) -> dict:
     from loco_megatron.optimizer import sub_optimizers
     from loco_megatron.optimizer.layer_wise import owned
 
-    meta = _model_meta(model_sd)
+    meta = model_tensors(model_sd)
     subs = sub_optimizers(optimizer)
     pairs_of = owned(optimizer)
     steps = None if is_loading else _steps(subs, next(iter(meta)).device if meta else "cpu")
