@@ -85,10 +85,11 @@ def build_muon(config: Config, model_chunks: list, stats=None):
     parameters of its share and all-gathers them. megatron-core's own builder
     (``get_megatron_muon_optimizer``) needs the emerging-optimizers package; this follows it."""
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer import _get_param_groups, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import FP32Optimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from loco_megatron.loco.hooks.param_groups import megatron_param_groups
     from loco_megatron.optimizer.layer_wise import LayerWise
     from loco_megatron.optimizer.muon import Muon
 
@@ -96,7 +97,7 @@ def build_muon(config: Config, model_chunks: list, stats=None):
     mconfig = dataclasses.replace(megatron_config(config), bf16=False, loss_scale=None)
     muon_params, adamw_params = ([p for _, p in named] for named in muon_split(model_chunks))
     with _frozen(adamw_params):
-        groups = _get_param_groups(model_chunks, mconfig, None)  # megatron's groups: its LR schedule keys
+        groups = megatron_param_groups(model_chunks, mconfig)
     t = model_chunks[0].config
     kv = t.kv_channels
     muon = Muon(groups, lr=o.lr, momentum=o.muon_momentum, nesterov=o.muon_use_nesterov, weight_decay=o.weight_decay,

@@ -7,7 +7,10 @@ and the distributed optimizer's step), for the versions in :mod:`.version`:
   each bucket group's parameter all-gather;
 * :mod:`.fsdp`: :class:`FsdpGradHook`, LoCo in place of Megatron-FSDP's cross-node (HSDP)
   gradient all-reduce;
-* :mod:`.version`: the supported megatron-core range, checked loudly by both.
+* :mod:`.diloco`: DiLoCo's view of the optimizer (its main-parameter shards, the outer
+  update run as an optimizer step);
+* :mod:`.param_groups`: megatron's parameter groups, for --optimizer muon's Muon;
+* :mod:`.version`: the supported megatron-core range, checked loudly by all of them.
 """
 
 from loco_megatron.loco.hooks.fsdp import FsdpGradHook
