@@ -375,6 +375,8 @@ def restore(folder: pathlib.Path, stateful: dict, loaded: dict, saved_layout: di
     if same:
         set_rng_state(loaded["rng"])
     else:
+        gathered = getattr(stateful.get("param_gather"), "shards", None)  # --param-gather-bits' agreed copies
         log(f"checkpoint: saved with layout {layout_tag(saved_layout)}, resuming with {layout_tag(layout_key)}: "
             f"model, optimizer, schedule and data position resharded; RNG re-seeded and LoCo error "
-            f"buffers start at zero{diloco.layout_note(layout_key, saved_layout, loaded, stateful.get(diloco.NAME))}")
+            f"buffers start at zero{'; the loaded model is the agreed parameters of --param-gather-bits' if gathered else ''}"
+            f"{diloco.layout_note(layout_key, saved_layout, loaded, stateful.get(diloco.NAME))}")

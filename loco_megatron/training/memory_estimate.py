@@ -97,7 +97,7 @@ def optimizer_line(config: Config, est: dict) -> str:
         how = ("megatron-core's distributed optimizer (flat shards over the data-parallel ranks)"
                if p.use_distributed_optimizer else "every data-parallel rank holding all of it")
         return f"optimizer: AdamW on {est['params']:,} parameters (2 moments: 8 B per parameter{main}), {how}: {where}"
-    muon = sum(est["muon_params"])
+    muon = sum(muon_parameter_count(config))
     how = "layer-wise over the data-parallel ranks (whole parameters: the rank with the word embedding)"
     return (f"optimizer: Muon on {muon:,} parameters (the transformer layers' matrices; momentum: 4 B per parameter"
             f"{main}) and AdamW on {est['params'] - muon:,} (embeddings, output layer, norms, biases; 8 B per "
@@ -199,7 +199,7 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     if p.use_megatron_fsdp:
         out.update(_fsdp_parts(config, here, dp, vocab, weight_bytes, grad_bytes, optimizer_bytes))
     out["total"] = sum(out[k] for k in PARTS)
-    out.update(params=total, dp=dp, expert_dp=expert_dp, muon_params=(muon_dense, muon_experts))
+    out.update(params=total, dp=dp, expert_dp=expert_dp)
     return out
 
 

@@ -112,8 +112,14 @@ def startup_summary(config: Config, layout: ParallelLayout, chunks: list, vocab_
         lines.append(loco_compresses_nothing(config, f"gradients ({raw / 2**20:.2f} MiB on rank 0)"))
     elif lc.enabled:
         sent = numel * lc.loco_bits // 8 + 4 * -(-numel // lc.loco_block_size)
+        gathered = ""
+        if not config.megatron_distributed_optimizer and not config.parallel.use_megatron_fsdp:
+            # Every rank needs every reduced gradient: its reduced row goes to the others at the buffer's dtype.
+            row = raw // max(layout.dp_size // max(config.diloco.replicas_in_world, 1), 1)
+            gathered = f" and {row / 2**20:.2f} MiB of reduced gradients (the all-gather of an all-reduce)"
+            sent += row
         lines.append(
-            f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales to its "
+            f"{loco_settings(config)}; rank 0 hands {sent / 2**20:.2f} MiB of codes + scales{gathered} to its "
             f"gradient collectives per step instead of {raw / 2**20:.2f} MiB (x{sent / max(raw, 1):.3f})")
     elif layout.dp_size // max(config.diloco.replicas_in_world, 1) == 1:
         inside = " inside a DiLoCo replica" if config.diloco.diloco_replicas > 1 else ""

@@ -217,9 +217,10 @@ class ParamGatherHook:
         """Restore every bucket's spare shard - after the model (and optimizer) were loaded.
 
         When the checkpoint's state cannot be used here (``None``: written under another
-        parallel layout; empty: written with --param-gather-bits 0; other buckets, e.g.
-        another --ddp-bucket-size; another parameter dtype), the loaded model becomes the
-        agreed parameters on every rank, and one line says so. Its weights are the agreed
+        parallel layout, which the loader's one layout line announces; empty: written with
+        --param-gather-bits 0; other buckets, e.g. another --ddp-bucket-size; another
+        parameter dtype), the loaded model becomes the agreed parameters on every rank, and
+        one line says so. Its weights are the agreed
         ones every rank computed with, so the ranks stay bit-identical; an fp32 model loses
         only the exact main weights' last unsent update."""
         if not self.shards:
@@ -228,9 +229,11 @@ class ParamGatherHook:
                           "agreed-parameter state is not used")
             return
         why = None
-        if sd is None:
-            why = "it was written under another parallel layout"
-        elif not sd:
+        if sd is None:  # another parallel layout: the loader's one layout line says so
+            for shard in self.shards.values():
+                shard.agree_on_model()
+            return
+        if not sd:
             why = "it was written without --param-gather-bits"
         elif set(sd) != set(self.shards):
             why = f"its buckets differ ({len(sd)} saved, {len(self.shards)} here: another --ddp-bucket-size?)"
