@@ -220,9 +220,9 @@ class ParamGatherHook:
         parallel layout, which the loader's one layout line announces; empty: written with
         --param-gather-bits 0; other buckets, e.g. another --ddp-bucket-size; another
         parameter dtype), the loaded model becomes the agreed parameters on every rank, and
-        one line says so. Its weights are the agreed
-        ones every rank computed with, so the ranks stay bit-identical; an fp32 model loses
-        only the exact main weights' last unsent update."""
+        one line says so. Its weights are the agreed ones every rank computed with, so the
+        ranks stay bit-identical; an fp32 model loses only the exact main weights' last
+        unsent update."""
         if not self.shards:
             if sd:
                 self._log("--param-gather-bits: off (or nothing to gather) in this run: the checkpoint's "
