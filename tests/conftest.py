@@ -90,6 +90,25 @@ def program(name: str) -> str:
     return found
 
 
+def spawn_ranks(worker, world: int, results: int, timeout: float = 300) -> list:
+    """Run ``worker(rank, world, port, queue)`` on ``world`` spawned processes (a free port
+    for their gloo group on localhost) and return the ``results`` items they put on the queue."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = [queue.get(timeout=timeout) for _ in range(results)]
+    for proc in procs:
+        proc.join(timeout=60)
+    return got
+
+
 def read_metrics(path) -> list[dict]:
     p = pathlib.Path(path)
     if not p.exists():
