@@ -17,7 +17,6 @@ from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
 from loco_megatron.diloco.elastic.cycle import Cycle, Fingerprint, live_mask, plan
 from loco_megatron.diloco.elastic.split import Share
 from loco_megatron.diloco.outer import OuterStep
-from loco_megatron.failures import RunAborted
 
 
 @dataclasses.dataclass
@@ -146,6 +145,11 @@ class ReplicaStep(OuterStep):
         progress and split)."""
         if healed is None:
             return dataclasses.replace(common, state=state_hash(self.agreed, self.momentum, self.outer_steps))
+        mine = {k: a.numel() for k, a in self.agreed.items()}
+        theirs = {k: a.numel() for k, a in healed["agreed"].items()}
+        if mine != theirs:  # (the config hashes match, so a bug, not bad input: the cycle fails everywhere)
+            raise ValueError(f"the state healed from a live replica does not fit this one's lanes ({theirs} there, "
+                             f"{mine} here)")
         shares = healed.get("shares")
         share = (shares or {}).get(self.replica, Share(0, 0)) if self.split.mode != "fixed" else self.share
         return dataclasses.replace(
@@ -173,12 +177,7 @@ class ReplicaStep(OuterStep):
         hosts the agreed parameters and momentum of the lane, on every rank the progress and
         the split; then every rank's shards take the agreed parameters."""
         state = cycle.healed
-        if self.coordinator.lane is not None:
-            mine = {k: a.numel() for k, a in self.agreed.items()}
-            theirs = {k: a.numel() for k, a in state["agreed"].items()}
-            if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
-                raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's lanes "
-                                 f"({theirs} there, {mine} here)")
+        if self.coordinator.lane is not None:  # (its lanes' sizes were checked in the fingerprint)
             self._adopt(state["agreed"], state["momentum"])
         kept = self.inner_steps > 0
         self._restart_outer(int(state["outer_steps"]))
