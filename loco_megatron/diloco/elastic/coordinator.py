@@ -167,7 +167,7 @@ class ElasticCoordinator:
         self.reason = broken[0] if broken else ("the lanes disagree" if cycle is None else "")
         if cycle is not None and cycle.action == REFUSE:
             return cycle  # (every participant knows: no vote; the refused one ends, the others discard)
-        go = self._agree(cycle is not None, "go")
+        go = self._agree(cycle is not None)  # the go vote
         if not go and cycle is not None:
             self.reason = "another replica could not go on"
         return cycle if go else None
@@ -219,7 +219,7 @@ class ElasticCoordinator:
         participants = [Fingerprint.of(r) for r in rows.cpu().view(world, Fingerprint.WIDTH)]
         return (OK, ""), plan(participants, rank, self._healed)
 
-    def _agree(self, yes: bool, what: str) -> bool:
+    def _agree(self, yes: bool) -> bool:
         """A vote (:func:`.ops.vote`) over the participants on each lane, then the MIN over
         this job: the same answer on every rank of this replica."""
         if self.lane is not None:
@@ -252,7 +252,7 @@ class ElasticCoordinator:
             flag = torch.tensor([int(ok)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
             return False
-        committed = self._agree(ok, "commit")
+        committed = self._agree(ok)  # the commit vote
         if not committed and not self.errored():
             self.reason = "another replica's exchange failed"
         return committed

@@ -180,14 +180,14 @@ class ReplicaStep(OuterStep):
         if self.coordinator.lane is not None:  # (its lanes' sizes were checked in the fingerprint)
             self._adopt(state["agreed"], state["momentum"])
         kept = self.inner_steps > 0
-        self._restart_outer(int(state["outer_steps"]))
-        if self.split.mode != "fixed":
-            shares = state.get("shares")
-            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
         nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
         self._log(f"DiLoCo: healed from replica {state['replica']} over torchft's transport: the agreed parameters "
                   f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {state['iteration']} and "
                   f"the LR schedule's position")
+        self._restart_outer(int(state["outer_steps"]))
+        if self.split.mode != "fixed":
+            shares = state.get("shares")
+            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
         self._take_progress(state, kept)
 
     def _adopt(self, agreed: dict, momentum: Optional[dict]) -> None:
