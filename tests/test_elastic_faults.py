@@ -15,6 +15,7 @@ streaming / run ended      TP2 (2) + 1                  2          0     -      
 each exchange failing      DP2 (2) + 1                  1          0     4-bit        weight
 late ranks                 DP2 (2) + DP2 (2), 2 lanes   1          0     4-bit        throughput
 lighthouse restart         1 + 1                        2          1     -            fixed
+a replica stalls           1 + 1                        1          0     -            fixed
 too few replicas           1                            1          0     -            fixed
 whole-run restart          TP2 (2) + 1                  1          0     -            fixed
 bad joiner                 DP2 (2) + micro 6 (1)        1          0     -            weight
@@ -24,6 +25,7 @@ bad joiner                 DP2 (2) + micro 6 (1)        1          0     -      
 from __future__ import annotations
 
 import http.server
+import signal
 import subprocess
 import sys
 import threading
@@ -190,6 +192,41 @@ def test_a_lighthouse_killed_and_restarted_mid_quorum_costs_at_most_that_outer_s
     assert steps[16] >= 6 and steps[16] - steps[9] == 3, steps  # (7 in all: at most the one started at 8 lost)
     for name in ("r0", "r1"):
         assert sorted(train_losses(run.metrics(name))) == list(range(1, 17))
+
+
+def test_a_replica_that_stalls_is_left_behind_and_heals_keeping_its_optimizer(cache_dir, tmp_path):
+    """Guards against a stalled replica (every process stopped, as a hung node) holding the
+    others back past its heartbeat, against it rejoining on a stale model, and against its
+    line saying its inner optimizer state is fresh when it kept it: replica 1 is stopped
+    for 25 s mid-interval; replica 0 takes the next outer steps without it (after asking
+    the lighthouse once more); replica 1, continued, heals from replica 0 at a later outer
+    step, says its inner optimizer state is its own, kept, and from then on their outer
+    state is bit-identical after every cycle; both train to the end."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20)
+    try:
+        run.start("r0", 0, env=run.hold(11))  # (held until replica 1 asks again: they must meet after the stall)
+        run.start("r1", 1)
+        run.wait_iteration("r1", 5)
+        run.signal("r1", signal.SIGSTOP)
+        time.sleep(25)  # (past the lighthouse's heartbeat timeout, 10 s, and the second ask)
+        run.signal("r1", signal.SIGCONT)
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "dump" / "replica1_rank0.cycle.8").exists():
+            assert time.monotonic() < deadline and run.jobs["r1"].poll() is None, run.log("r1")[-3000:]
+            time.sleep(0.2)
+        (tmp_path / "release.11").touch()
+        codes = [run.finish("r0"), run.finish("r1")]
+        assert codes == [0, 0], (run.log("r0")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    assert "replica 1 left" in run.log("r0") and "replica 1 joined" in run.log("r0"), run.log("r0")[-3000:]
+    log = run.log("r1")
+    assert "DiLoCo: healed from replica 0" in log, log[-3000:]
+    assert "DiLoCo: the inner optimizer state is this replica's own, kept from its training so far" in log, log[-3000:]
+    healed = next(d for d in run.dumps(1) if d["at"] == "cycle" and d["live"] == [0, 1] and d["iteration"] > 8)
+    assert _bit_identical(run.dumps(0), run.dumps(1), since=healed["iteration"])[-1] == 20
+    for name in ("r0", "r1"):
+        assert sorted(train_losses(run.metrics(name)))[-1] == 20
 
 
 def test_too_few_replicas_never_end_on_the_initial_weights(cache_dir, tmp_path):
