@@ -1,4 +1,5 @@
-"""Launch scripts: shell lint, Slurm command rendering run on localhost, requeue and resume."""
+"""Launch scripts: shell lint, Slurm command rendering run on localhost, requeue and resume, the
+c10d store's end-of-run barrier (tools/torchrun.py)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,9 @@ def test_rendered_commands_train_on_localhost(cache_dir, tmp_path):
                               stderr=subprocess.STDOUT, text=True) for c in commands]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
+    # the store's host waited for the other agent (tools/torchrun.py): no failed close or keep-alive
+    assert not [line for o in outputs for line in o.splitlines() if "recvVector failed" in line
+                or "has failed to shutdown the rendezvous" in line or "keep-alive" in line]
     rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if "train/lm_loss" in m]
     assert [m["iteration"] for m in rows] == [1, 2, 3]
     config = read_metrics(run_dir / "metrics.jsonl")[0]["config"]
@@ -246,3 +250,39 @@ def test_elastic_templates_start_the_lighthouse_and_one_job_per_replica(tmp_path
     assert sorted(c.split(":")[0] for c in calls) == ["node 0", "node 1"]  # srun starts nodes in parallel
     assert all(f"--run-dir {root}/replica1" in c and "-- --diloco-lighthouse http://node7.site-a:29555 "
                "--diloco-replica-id 1 --diloco-replicas 3 --loco-bits 4" in c for c in calls), calls
+
+
+def test_the_store_host_waits_for_the_other_nodes_agents():
+    """Guards against the end-of-run noise of a multi-node torchrun (a C++ "recvVector failed"
+    stack trace, failed keep-alives, "failed to shutdown the rendezvous" on the other nodes):
+    the first node's agent took the c10d store with it as soon as its own workers were done.
+    tools/torchrun.py's host keeps the store's server (the agent's backend shares it:
+    multi_tenant) until every other node's agent has closed the rendezvous."""
+    import threading
+
+    from torch.distributed import TCPStore
+    from torch.distributed.run import parse_args
+
+    import torchrun
+
+    port = _free_port()
+    argv = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t", "x.py"]
+    host = torchrun.StoreKeeper(parse_args([*argv[:4], "--rdzv-conf=is_host=true", argv[4]]))
+    other = torchrun.StoreKeeper(parse_args([*argv[:4], "--rdzv-conf=is_host=false", argv[4]]))
+    assert host.active and other.active and not torchrun.StoreKeeper(parse_args(argv)).active
+    agent = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    agent.set("rendezvous", "closed")
+    del agent  # the host's agent is done; its store's server stays up
+    done = threading.Event()
+    waiting = threading.Thread(target=lambda: (host.at_end(), done.set()), daemon=True)
+    waiting.start()
+    assert not done.wait(1)  # the host waits for the other node ...
+    other.at_end()  # ... whose agent, done later, still reaches the store
+    assert done.wait(60) and host.store.get("rendezvous") == b"closed"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
