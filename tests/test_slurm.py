@@ -106,28 +106,26 @@ class Session:
     # -- the scenarios: submit, then act when a job reaches a point -------------------------
     def start(self) -> None:
         tmp = self.tmp
-        # The time limit: --time 2 minutes with USR1 60 s before it (Slurm sends it up to a
-        # minute early). The config trains "forever"; once the job has saved and requeued
-        # itself, the target becomes the saved iteration + 3 and the limit 10 minutes, so
-        # the requeued start ends at --train-iters (instead of being signalled again).
+        # The time limit: --time 3 minutes with USR1 120 s before it (Slurm sends it up to a
+        # minute early: 0 to 60 s after the start, here often while the training starts; the
+        # 2 minutes left hold the start-up, the save and the exit on a loaded machine). The
+        # config trains "forever"; once the job has saved and requeued itself, the target
+        # becomes the saved iteration + 3 and the limit 10 minutes, so the requeued start
+        # ends at --train-iters (instead of being signalled again).
         config = tmp / "tiny_requeue.yaml"  # (a tiny_* config needs no DATA_PATH)
         config.write_text(self._requeue_config(100000))
-        self.submit("requeue", "pretrain_gpt.sbatch", [*CPU, "--time=2", "--signal=B:USR1@60"],
+        self.submit("requeue", "pretrain_gpt.sbatch", [*CPU, "--time=3", "--signal=B:USR1@120"],
                     CONFIG=str(config), RUN_DIR=str(tmp / "requeue"), OVERRIDES_STR=self.overrides("requeue"))
         # Elastic sites: a lighthouse, replica 0 on 2 nodes, replica 1 on 1 node.
         root = tmp / "sites"
-        site = self.overrides("sites0", "--train-iters", "10000", "--lr-decay-iters", "100", "--diloco-inner-steps",
-                              str(H), "--diloco-outer-ranks", "1", "--save-interval", str(H),
-                              "--diloco-quorum-timeout-s", "300", "--diloco-exchange-timeout-s", "60")
         # heartbeat 10 s: a live replica starved of CPU on this loaded machine is not taken for dead
         self.submit("lighthouse", "lighthouse.sbatch", ["--cpus-per-task=1", "--time=20"], RUN_ROOT=str(root),
                     LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS="10000", LIGHTHOUSE_JOIN_TIMEOUT_MS="20000")
         self.site_env = dict(RUN_ROOT=str(root), REPLICAS="2", CONFIG="configs/tiny_gpt.yaml")
         self.submit("site0", "diloco_replica.sbatch", [*CPU, "--nodes=2", "--time=20"], REPLICA_ID="0",
-                    OVERRIDES_STR=site, **self.site_env)
-        self.site1 = site.replace(self.cache("sites0"), self.cache("sites1"))
+                    OVERRIDES_STR=self._site(0), **self.site_env)
         self.submit("site1", "diloco_replica.sbatch", [*CPU, "--nodes=1", "--time=20"], REPLICA_ID="1",
-                    OVERRIDES_STR=self.site1, **self.site_env)
+                    OVERRIDES_STR=self._site(1), **self.site_env)
         self.submit("gpt", "pretrain_gpt.sbatch", [*CPU, "--time=10"], CONFIG="configs/tiny_gpt.yaml",
                     RUN_DIR=str(tmp / "gpt"), OVERRIDES_STR=self.overrides("gpt", "--train-iters", "8"),
                     SETUP=f'echo "$(hostname)" >> {tmp / "setup.log"}')
@@ -140,6 +138,13 @@ class Session:
                     OVERRIDES_STR=self.overrides("diloco", "--train-iters", "8", "--diloco-inner-steps", str(H)))
         for name, script, args, env, _ in BAD:
             self.submit(name, script, [*CPU, *args], RUN_DIR=str(tmp / name), RUN_ROOT=str(tmp / name), **env)
+
+    def _site(self, replica: int) -> str:
+        """A replica job's OVERRIDES_STR: it trains until stopped; one lane (the 1-node
+        replica's world size); outer steps every H steps, each saved."""
+        return self.overrides(f"sites{replica}", "--train-iters", "10000", "--lr-decay-iters", "100",
+                              "--diloco-inner-steps", str(H), "--diloco-outer-ranks", "1", "--save-interval", str(H),
+                              "--diloco-quorum-timeout-s", "300", "--diloco-exchange-timeout-s", "60")
 
     def _requeue_config(self, train_iters: int) -> str:
         text = (REPO / "configs" / "tiny_gpt.yaml").read_text()
@@ -185,7 +190,7 @@ class Session:
             if j["site1"].ended and "DiLoCo: replica 1 left" in j["site0"].text():
                 n["site1_rows_before"] = len(read_metrics(root / "replica1" / "metrics.jsonl"))
                 self.submit("site1b", "diloco_replica.sbatch", [*CPU, "--nodes=1", "--time=20"], REPLICA_ID="1",
-                            OVERRIDES_STR=self.site1, **self.site_env)
+                            OVERRIDES_STR=self._site(1), **self.site_env)
                 phase = "rejoining"
         elif phase == "rejoining":
             healed = re.search(r"healed from replica 0 .*?iteration (\d+)", j["site1b"].text())
@@ -287,7 +292,7 @@ def test_moe_with_expert_parallelism_and_scancel_saves_within_killwait(session):
     against losing work on scancel: Slurm's SIGTERM reaches the batch shell, srun, torchrun,
     the ranks and wandb's service process (which ends: one line, the run goes on); the
     ranks agree on a step, save it and print their summary before KillWait's SIGKILL, and
-    each node's torchrun says in one line that it was stopped."""
+    each node's torchrun says in one line that it was stopped (no traceback)."""
     job, run = session.jobs["moe"], session.tmp / "moe"
     assert job.record["JobState"] == "CANCELLED", job.why()
     text = job.text()
@@ -299,8 +304,9 @@ def test_moe_with_expert_parallelism_and_scancel_saves_within_killwait(session):
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
     assert f"0:   last checkpoint: {run}/checkpoints/iter_{saved:07d}" in text
     assert "0: warning: wandb's service process is gone (" in text
-    for node in (0, 1):
-        assert f"{node}: torchrun: stopped by SIGTERM, forwarded to the workers, which have exited" in text
+    for node in (0, 1):  # (on a machine so loaded that an agent outlives KillWait, Slurm kills it)
+        assert (f"{node}: torchrun: stopped by SIGTERM, forwarded to the workers, which have exited" in text
+                or re.search(rf"srun: error: n\d: task {node}: Killed", text)), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
 
 
@@ -328,15 +334,18 @@ def test_elastic_sites_survive_a_cancelled_site_which_heals_when_resubmitted(ses
     url = (root / "lighthouse.url").read_text().strip()
     assert re.fullmatch(r"http://n\d:29510", url) and f"lighthouse {url}" in j["lighthouse"].text()
     assert j["site1"].record["JobState"] == "CANCELLED", j["site1"].why()
-    # the live site trained on while replica 1 was away
+    saved = re.search(r"0: stop requested \(SIGTERM received\): saving at iteration (\d+)", j["site1"].text())
+    assert saved, j["site1"].why()
+    # the live site saw it leave, trained on, and saw it join again
     site0 = j["site0"].text()
-    assert "0: DiLoCo: replica 1 left (1 live: 0)" in site0 and "DiLoCo: replica 1 joined" in site0, site0[-3000:]
-    assert max(iterations(root / "replica0")) > n["site1_cancelled_after"] + H
-    # the resubmitted site resumed its own checkpoint and healed from replica 0
+    left = site0.find("0: DiLoCo: replica 1 left (1 live: 0)")
+    assert 0 < left < site0.rfind("0: DiLoCo: replica 1 joined"), site0[-3000:]
+    # the resubmitted site resumed its own checkpoint and healed from replica 0, which had gone on
     rejoined = j["site1b"].text()
-    assert re.search(rf"0: resuming from {root}/replica1/checkpoints/iter_\d+ .* at iteration \d+", rejoined), \
-        j["site1b"].why()
-    assert n.get("healed_at"), j["site1b"].why()
+    resumed = int(saved.group(1))
+    assert re.search(rf"0: resuming from {root}/replica1/checkpoints/iter_{resumed:07d} .* at iteration {resumed}\n",
+                     rejoined), j["site1b"].why()
+    assert n.get("healed_at", 0) >= n["site1_cancelled_after"] + H, j["site1b"].why()
     for name in ("site0", "site1b"):  # both ended at the stop files, after the heal
         assert j[name].record["JobState"] == "COMPLETED" and j[name].record["ExitCode"] == "0:0", j[name].why()
         assert "0: stop requested (stop file " in j[name].text(), j[name].why()

@@ -80,8 +80,7 @@ trap on_signal USR1 TERM
 
 # --cpus-per-task: Slurm 22.05+ no longer hands sbatch's value down to srun, which would
 # pin each node's torchrun (and all its ranks) to one core. --label prefixes every output
-# line with its node. SETUP runs in the node's own shell before launch.py starts (tried
-# first on this node at the start: one line for a SETUP that fails, not one per node).
+# line with its node. SETUP runs in the node's own shell before launch.py starts.
 export SETUP="${SETUP:-}"
 # shellcheck disable=SC2016  # $SETUP and $@ are expanded by each node's shell, not here
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
