@@ -56,6 +56,16 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end of a run whose real-Slurm tests (tests/test_slurm.py) were
+    skipped, saying how to enable them: ``-q`` lists no skip reasons."""
+    reasons = [r.longrepr[2] for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and "local Slurm cluster" in str(r.longrepr[2])]
+    if reasons:
+        why = reasons[0].removeprefix("Skipped: ")
+        terminalreporter.write_line(f"{len(reasons)} Slurm tests skipped: the {why} (as root; .ci/run installs it)")
+
+
 def on_terminal(pytestconfig):
     """A context in which what this process prints reaches the terminal also under pytest's
     capture (``-q`` captures stdout and stderr at the file descriptors): for a wait of
