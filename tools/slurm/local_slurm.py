@@ -38,7 +38,7 @@ from typing import Optional
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from simcluster import SimCluster, available as network_unavailable  # noqa: E402
+from simcluster import SimCluster, SimClusterError, available as network_unavailable  # noqa: E402, F401 (SimClusterError: local_cluster.py catches it from here)
 
 STATE_ROOT = pathlib.Path("/run/loco-slurm")
 """Every cluster's folder (configuration, keys, logs, spool) is STATE_ROOT/<name>."""
