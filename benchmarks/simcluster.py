@@ -61,22 +61,31 @@ class SimCluster:
     """Context manager: ``with SimCluster(2, rate="1gbit") as c: c.run_torchrun(...)``.
 
     ``rate`` is a tc rate (``"1gbit"``, ``"100mbit"``) or None for an unshaped link;
-    ``delay`` a netem delay (``"1ms"``) or None.
+    ``delay`` a netem delay (``"1ms"``) or None. ``subnet``: the X of 10.X.0.0/24 (default
+    from the process id). ``host_link``: also plug this machine itself into the switch, as
+    :attr:`host_address` (10.X.0.254, an unshaped veth ``lc<tag>h``), so that daemons on
+    the host (a Slurm controller) and the nodes reach each other.
     """
 
     def __init__(self, nodes: int, rate: Optional[str] = "1gbit", delay: Optional[str] = None,
-                 tag: Optional[str] = None):
+                 tag: Optional[str] = None, subnet: Optional[int] = None, host_link: bool = False):
         if not 1 <= nodes <= 200:
             raise ValueError("nodes must be in [1, 200]")
         self.nodes, self.rate, self.delay = nodes, rate, delay
         self.tag = tag or f"{os.getpid() % 100000}"
-        self.subnet = 10 + os.getpid() % 200  # 10.<subnet>.0.0/24, private
+        self.subnet = 10 + os.getpid() % 200 if subnet is None else subnet  # 10.<subnet>.0.0/24, private
         self.bridge_ns = f"lcsim{self.tag}br"
         self.node_ns = [f"lcsim{self.tag}n{i}" for i in range(nodes)]
+        self.host_link = f"lc{self.tag}h" if host_link else None
         self._created: list[str] = []
+        self._host_link_made = False
 
     def address(self, node: int) -> str:
         return f"10.{self.subnet}.0.{node + 1}"
+
+    @property
+    def host_address(self) -> str:
+        return f"10.{self.subnet}.0.254"
 
     # -- set-up and tear-down ------------------------------------------------------------
     def __enter__(self) -> "SimCluster":
@@ -133,11 +142,23 @@ class SimCluster:
             _sh("ip", "-n", self.bridge_ns, "link", "set", bridge_end, "up")
             self._shape(ns, "eth0")                 # node -> switch
             self._shape(self.bridge_ns, bridge_end)  # switch -> node
+        if self.host_link:
+            bridge_end = f"lc{self.tag}hb"
+            self._host_link_made = True  # from here on close() deletes it, also after a half-made add
+            _sh("ip", "link", "add", self.host_link, "type", "veth", "peer", "name", bridge_end, "netns", self.bridge_ns)
+            _sh("ip", "addr", "add", f"{self.host_address}/24", "dev", self.host_link)
+            _sh("ip", "link", "set", self.host_link, "up")
+            _sh("ip", "-n", self.bridge_ns, "link", "set", bridge_end, "master", "br0")
+            _sh("ip", "-n", self.bridge_ns, "link", "set", bridge_end, "up")
 
     def close(self) -> None:
-        """Delete every namespace this cluster made (their veths and qdiscs go with them)."""
+        """Delete every namespace this cluster made (their veths and qdiscs go with them) and
+        the host's veth with its route (deleted by name: a namespace outlives its name while
+        a process still holds it)."""
+        if self._host_link_made:
+            subprocess.run(["ip", "link", "del", self.host_link], capture_output=True)
+            self._host_link_made = False
         for ns in reversed(self._created):
-            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):
@@ -146,10 +167,13 @@ class SimCluster:
         self._created.clear()
 
     def leftovers(self) -> list[str]:
-        """Namespaces with this cluster's names that still exist (should be none after close)."""
+        """Namespaces with this cluster's names, and its host veth, that still exist (should
+        be none after close)."""
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         names = {line.split()[0] for line in out.splitlines() if line.strip()}
-        return sorted(names & {self.bridge_ns, *self.node_ns})
+        if self.host_link and subprocess.run(["ip", "link", "show", self.host_link], capture_output=True).returncode == 0:
+            names.add(self.host_link)
+        return sorted(names & {self.bridge_ns, *self.node_ns, self.host_link})
 
     def tx_bytes(self) -> int:
         """Bytes sent so far by all nodes on their link (``eth0``): inter-node traffic only,

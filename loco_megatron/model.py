@@ -153,6 +153,21 @@ def _seed_outside_layers(model, seed: int, std: float, tied: bool) -> None:
         param.copy_(values)
 
 
+def _torch_modules_to_bf16(model) -> None:
+    """Cast the plain torch modules megatron builds in fp32 whatever params_dtype says (the
+    learned position table; the norms of the local layer spec, WrappedTorchNorm, and
+    :class:`SequenceParallelNorm`) to bf16, as Megatron-LM's Float16Module does (its fp32
+    copies are the distributed optimizer's main params). Left fp32: the embedding sum turns
+    fp32 and the first bf16 linear layer refuses it; every norm gets bf16 inputs with fp32
+    weights, which torch's fused rms_norm refuses (a warning per rank, the unfused path);
+    and the norms' parameters fill a second DDP buffer, whose all-gathers under
+    --overlap-param-gather run out of forward order (megatron warns that the next bucket's
+    all-gather "has already been dispatched", and the overlap is lost)."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(torch.bfloat16)
+
+
 def build_model(config: Config, vocab_size: int, device: torch.device, wrap: bool = True) -> list:
     """This rank's model chunks (one per virtual pipeline stage, else one), each a
     GPTModel inside megatron-core's DDP wrapper, in schedule order. ``wrap=False``: the bare
@@ -185,11 +200,8 @@ def build_model(config: Config, vocab_size: int, device: torch.device, wrap: boo
         )
         _seed_outside_layers(model, config.train.seed, m.init_method_std,
                              tied=not m.untie_embeddings_and_output_weights)
-        if m.bf16 and getattr(getattr(model, "embedding", None), "position_embeddings", None) is not None:
-            # megatron builds the learned position table as a plain fp32 torch Embedding (no
-            # params_dtype); Megatron-LM's Float16Module casts it. Left fp32, the embedding
-            # sum turns fp32 and the first bf16 linear layer refuses it.
-            model.embedding.position_embeddings.to(torch.bfloat16)
+        if m.bf16:
+            _torch_modules_to_bf16(model)
         model.to(device)
         if not wrap:
             chunks.append(model)

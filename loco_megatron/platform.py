@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 from typing import Any, Callable, Iterator
 

@@ -56,6 +56,16 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end of a run whose real-Slurm tests (tests/test_slurm.py) were
+    skipped, saying how to enable them: ``-q`` lists no skip reasons."""
+    reasons = [r.longrepr[2] for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and "local Slurm cluster" in str(r.longrepr[2])]
+    if reasons:
+        why = reasons[0].removeprefix("Skipped: ")
+        terminalreporter.write_line(f"{len(reasons)} Slurm tests skipped: the {why} (as root; .ci/run installs it)")
+
+
 def on_terminal(pytestconfig):
     """A context in which what this process prints reaches the terminal also under pytest's
     capture (``-q`` captures stdout and stderr at the file descriptors): for a wait of
@@ -88,6 +98,25 @@ def program(name: str) -> str:
     found = find_program(name)
     assert found, f"{name} is neither next to {sys.executable} nor on PATH (a requirements file installs it)"
     return found
+
+
+def spawn_ranks(worker, world: int, results: int, timeout: float = 300) -> list:
+    """Run ``worker(rank, world, port, queue)`` on ``world`` spawned processes (a free port
+    for their gloo group on localhost) and return the ``results`` items they put on the queue."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = [queue.get(timeout=timeout) for _ in range(results)]
+    for proc in procs:
+        proc.join(timeout=60)
+    return got
 
 
 def read_metrics(path) -> list[dict]:

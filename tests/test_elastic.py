@@ -126,16 +126,20 @@ class Run:
             assert time.monotonic() < deadline, f"{name} did not print {text!r}"
             time.sleep(0.2)
 
-    def kill(self, name: str) -> None:
-        """SIGKILL a replica job: its agent and its workers (each in a session of its own)."""
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to a replica job: its agent and its workers (each in a session of its own)."""
         proc = self.jobs[name]
         workers = [int(p) for p in pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         for pid in [proc.pid, *workers]:
             try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                os.killpg(os.getpgid(pid), sig)
             except ProcessLookupError:
                 pass
-        proc.wait(timeout=60)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a replica job (:meth:`signal`) and reap it."""
+        self.signal(name, signal.SIGKILL)
+        self.jobs[name].wait(timeout=60)
 
     def finish(self, name: str, timeout: float = 900) -> int:
         return self.jobs[name].wait(timeout=timeout)

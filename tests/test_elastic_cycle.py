@@ -16,9 +16,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import program
+from conftest import program, spawn_ranks
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash, tensor_sums
 from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Fingerprint,
@@ -157,17 +156,7 @@ def test_adoption_gives_every_participant_the_sources_state_bit_for_bit():
     (rank 1 the source, its parameters holding a -0.0) every rank ends with the source's
     agreed parameters and momentum, bit for bit the same everywhere (the -0.0 reads alike
     on all, the source included), and the same state hash."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_adopt_worker, args=(r, 3, port, queue)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
+    got = dict((r, rest) for r, *rest in spawn_ranks(_adopt_worker, 3, 3))
     source = got[1]
     for rank in range(3):
         agreed, momentum, none, _, h = got[rank]

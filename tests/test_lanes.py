@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import spawn_ranks
 from loco_megatron.diloco.elastic.lanes import LaneMover, Space, check_cover, hosts, intersect, shard_blocks
 
 # The model: A [6, 4] split over two "TP" ranks along axis 1, B [5] replicated on both (main
@@ -93,17 +92,7 @@ def test_lanes_gather_main_copies_and_scatter_to_every_copy():
     that misses a copy (the TP ranks' replicated parameters would drift apart) or writes
     outside a rank's shard, and lanes hosted on the wrong ranks: 3 gloo ranks holding a
     TP-split, a replicated and a DP-split tensor, L = 1, 2 and 3."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 3, port, queue)) for r in range(3)]
-    for p in procs:
-        p.start()
-    results = sorted((queue.get(timeout=300) for _ in range(9)), key=lambda x: (x[0], x[1]))
-    for p in procs:
-        p.join(timeout=60)
+    results = sorted(spawn_ranks(_worker, 3, 9), key=lambda x: (x[0], x[1]))
     for lanes in (1, 2, 3):
         mine = [r for r in results if r[0] == lanes]
         assert [lane for _, _, lane, *_ in mine] == [hosts(3, lanes).index(r) if r in hosts(3, lanes) else None
@@ -125,3 +114,34 @@ def test_a_lane_partition_tiles_the_space_and_blocks_intersect_exactly():
     assert intersect(((0, 0), (2, 3)), ((2, 0), (1, 3))) is None
     with pytest.raises(ValueError, match="main copies hold"):
         check_cover(Space({"x": (2, 2)}, 1), [[("x", (2, 2), (0, 0), (1, 2), True, 0)]], 0)
+
+
+def test_a_fragment_holds_the_rows_of_its_layers_in_a_stacked_tensor():
+    """Guards against Streaming DiLoCo across sites crashing at start-up: megatron stacks a
+    parameter of every layer in one tensor (a leading layer axis), a fragment is a range of
+    layers, and each fragment's space claimed the whole stacked tensor ("the replica's main
+    copies hold 256 of the 512 elements"). Each fragment's space now holds the rows of its
+    layers, in global coordinates: the two fragments' lanes cover the stacked tensor once,
+    a TP-split weight (its columns on two ranks) included."""
+    stack, w = (4, 6), (4, 2, 6)  # a layer norm weight of 4 layers; a [2, 6] weight per layer, TP-split
+    table = [  # rank 0: layers 1-2 (fragment 0) and the left half of w's columns; rank 1 the right half
+        [("ln", stack, (0, 0), (2, 6), True, 0), ("w", w, (0, 0, 0), (2, 2, 3), True, 0),
+         ("ln", stack, (2, 0), (2, 6), True, 1), ("w", w, (2, 0, 0), (2, 2, 3), True, 1)],
+        [("ln", stack, (0, 0), (2, 6), False, 0), ("w", w, (0, 0, 3), (2, 2, 3), True, 0),
+         ("ln", stack, (2, 0), (2, 6), False, 1), ("w", w, (2, 0, 3), (2, 2, 3), True, 1)],
+    ]
+    covered = {}
+    for f in (0, 1):
+        space = Space.of_blocks(table, f, 3)
+        check_cover(space, table, f)
+        assert space.shapes == {"ln": (2, 6), "w": (2, 2, 6)} and space.origins["ln"] == (2 * f, 0)
+        for j in range(3):
+            for key, global_shape, origin, shape, _ in space.lane_blocks(j):
+                assert global_shape == {"ln": stack, "w": w}[key] and origin[0] in (2 * f, 2 * f + 1)
+                covered[key] = covered.get(key, 0) + math.prod(shape)
+        buf = torch.arange(float(space.numel))
+        view = space.lane_view(buf[slice(*space.lane(0))], 0, "ln", ((2 * f, 0), (1, 6)))
+        assert view.tolist() == [[float(x) for x in range(6)]]  # ("ln" sorts first: the lane's first row)
+    assert covered == {"ln": 24, "w": 48}
+    with pytest.raises(ValueError, match="hold 12 of the 24 elements of ln in fragment 0"):
+        check_cover(Space({"ln": stack, "w": w}, 3), table, 0)  # (the whole stack: the crash)

@@ -99,8 +99,7 @@ def test_baseline_run_sends_uncompressed(runs):
 
 def test_bf16_buffers_halve_the_uncompressed_bytes(runs):
     """Guards against counting bf16 gradient buffers as fp32: the same 4-bit payload is
-    about 0.26 of a bf16 buffer. (Megatron keeps one tiny bucket in fp32 even with
-    --bf16, which pulls the mixed ratio a hair below 4.125/16.)"""
+    about 0.26 of a bf16 buffer (4.125/16: 4 bits and one fp32 scale per 256-element block)."""
     r = _train_records(runs["bf16"])[-1]
     assert 4.125 / 16 * 0.99 <= r["comm/compression_ratio"] <= 4.125 / 16 * 1.05
     fp32 = _train_records(runs["loco"])[-1]
@@ -205,3 +204,40 @@ def test_wandb_dashboard_without_a_login_is_one_line(tmp_path):
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, lines[-5:]
     assert lines[0].startswith("error: could not save the wandb report: not logged in"), lines
+
+
+LOST_SERVICE = """
+import os, pathlib, signal, time
+from loco_megatron.config import LoggingConfig
+from loco_megatron.metrics.logger import MetricsLogger
+
+log = MetricsLogger(LoggingConfig(wandb_project="p", metrics_jsonl="m.jsonl"), {}, True, True, wandb_dir="w")
+log.log(1, {"train/x": 1.0})
+kids = [int(pid) for task in pathlib.Path(f"/proc/{os.getpid()}/task").iterdir()
+        for pid in (task / "children").read_text().split()]
+services = [pid for pid in kids if pathlib.Path(f"/proc/{pid}/comm").read_text().strip() == "wandb-core"]
+assert services, kids
+for pid in services:  # as Slurm's scancel does: SIGTERM to every process of the job
+    os.kill(pid, signal.SIGTERM)
+    while pathlib.Path(f"/proc/{pid}").exists() and "Z" not in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        time.sleep(0.05)
+log.log(2, {"train/x": 2.0})
+log.summary(2, {"summary/x": 3.0})
+log.close()
+"""
+
+
+def test_a_lost_wandb_service_costs_one_line_not_the_stop_save(tmp_path):
+    """Guards against losing the stop save on scancel or preemption: Slurm sends SIGTERM to
+    every process of the job, wandb's service process (wandb-core) exits on it, and rank 0's
+    next wandb call raised ConnectionResetError in the middle of stopping, so the step was
+    not saved and the other ranks failed in the save's collectives. The logger says so in
+    one line and goes on without wandb; nothing more is printed, also at exit."""
+    proc = subprocess.run([sys.executable, "-c", LOST_SERVICE], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("iter ")]
+    assert len(lines) == 1 and lines[0].startswith("warning: wandb's service process is gone (") and lines[0].endswith(
+        "): wandb logging stops here, the run goes on"), lines
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r.get("iteration") for r in records] == [None, 1, 2, 2]  # config, 2 steps, the summary

@@ -88,6 +88,8 @@ def node_command(node_rank: int, env: dict, config: str, run_dir: str, overrides
     ckpt = f"{run_dir}/checkpoints"
     return [python, "tools/torchrun.py", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id=loco-{job}",
+            # the first node hosts the store (tools/torchrun.py keeps it until the others are done)
+            f"--rdzv-conf=is_host={str(node_rank == 0).lower()}",
             f"--max-restarts={max_restarts}", "pretrain_gpt.py", "--config", config, "--save", ckpt, "--load", ckpt,
             "--metrics-jsonl", f"{run_dir}/metrics.jsonl", "--stop-file", f"{run_dir}/STOP", *overrides]
 

@@ -66,12 +66,13 @@ def is_sharded(path: pathlib.Path) -> bool:
 
 
 def layout_tag(layout_key: dict) -> str:
-    """The parallel layout (model shape and bucket size left out) as a key fragment, e.g.
+    """The parallel layout (model shape and buckets left out) as a key fragment, e.g.
     ``world2_tp1_pp1_ep1``. Per-rank state saved under one tag is read back under the
-    same tag; a bucket-size change keeps it, and each part whose shape follows the
-    buckets (LoCo's error, the --param-gather-bits shards) resets itself with one line."""
+    same tag; a change of the buckets (their size, or the bf16 norms joining the other
+    parameters' buffers) keeps it, and each part whose shape follows the buckets (LoCo's
+    error, the --param-gather-bits shards) resets itself with one line."""
     return "_".join(f"{k}{v}" for k, v in layout_key.items()
-                    if k not in ("model", "bucket")).replace("world_size", "world")
+                    if k not in ("model", "bucket", "bf16_norms")).replace("world_size", "world")
 
 
 def saved_common(path: pathlib.Path) -> dict:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from loco_megatron.diloco.exchange import OuterChannel, OuterWork
+from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer_math import mix_into, nesterov_step, outer_gradient
 from loco_megatron.diloco.schedule import FragmentSchedule
 

@@ -98,7 +98,7 @@ def export_to_hf(load: str, out: str, tokenizer_model: str | None, cache_home: p
     check_exportable(config, transformer_config(config))
     tensors = load_model_tensors(path, config, rows, ddp_prefix, prefix)
     dtype = "bfloat16" if config.model.bf16 else "float32"
-    # --bf16 runs keep the torch norms' weights in fp32 next to bf16 linears: one dtype in the file.
+    # --bf16 checkpoints written before the torch norms were built in bf16 hold them in fp32: one dtype in the file.
     weights = {k: v.to(getattr(torch, dtype)) for k, v in to_hf(tensors, config, pieces).items()}
     hf = hf_config(config, pieces, dtype, special_ids)
 

@@ -8,10 +8,11 @@ run directory that ``wandb sync`` uploads later) when there is no API key or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import secrets
-from typing import Optional
+from typing import Callable, Optional
 
 from loco_megatron.config import ConfigError, LoggingConfig
 
@@ -89,7 +90,7 @@ class MetricsLogger:
             extra = {}
             if "train/lm_loss" in metrics:
                 extra["train/lm_loss_vs_tokens"] = metrics["train/lm_loss"]
-            self._wandb.log({**metrics, **extra}, step=iteration)
+            self._to_wandb(lambda run: run.log({**metrics, **extra}, step=iteration))
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(key, value, iteration)
@@ -103,7 +104,7 @@ class MetricsLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         if self._wandb is not None:
-            self._wandb.summary.update(metrics)
+            self._to_wandb(lambda run: run.summary.update(metrics))
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(key, value, iteration)
@@ -142,10 +143,27 @@ class MetricsLogger:
             parts += [f"eval loss {m['eval/lm_loss']:.4f}", f"eval ppl {m['eval/ppl']:.2f}"]
         return " | ".join(parts)
 
+    def _to_wandb(self, call: Callable) -> None:
+        """``call(run)``. wandb's service process (``wandb-core``) exits on SIGTERM, and
+        Slurm sends SIGTERM to every process of the job (scancel, preemption), so on a
+        stop the rank can lose its service while it saves: that must not cost the save.
+        The first failed call prints one line and turns wandb off for the rest of the run;
+        the metrics go on to the other sinks."""
+        try:
+            call(self._wandb)
+        except Exception as e:  # ConnectionResetError, BrokenPipeError, ... from the service's socket
+            self._wandb = None
+            self.print(f"warning: wandb's service process is gone ({type(e).__name__}: {e}): wandb logging "
+                       "stops here, the run goes on", flush=True)
+            import wandb
+
+            with contextlib.suppress(Exception):
+                wandb.teardown()  # unregisters wandb's exit hook, which would fail the same way at exit
+
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._to_wandb(lambda run: run.finish())
         if self._tensorboard is not None:
             self._tensorboard.close()

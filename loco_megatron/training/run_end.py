@@ -81,5 +81,10 @@ def final_outer_step(run, totals: RunTotals) -> None:
     sent = f", {comm['comm/outer_bytes_sent'] / 2**20:.2f} MiB sent by rank 0" if done["exchanged"] else ""
     if run.outer.final is None:  # (elastic: no agreed model to end on; end_of_run says why, after the save)
         return
+    if run.config.diloco.elastic and t != run.config.train.train_iters:
+        say(run.layout, f"DiLoCo: replica {run.config.diloco.diloco_replica_id} stops alone at iteration {t} (the "
+                        f"others train on): it ends on the agreed parameters of its last outer step (saved as "
+                        f"diloco.final, which the export reads)")
+        return
     say(run.layout, f"DiLoCo: final outer step at iteration {t}: {what}{applied}{sent}; every replica takes the "
                     f"agreed parameters (saved as diloco.final, which the export reads)")

@@ -110,6 +110,10 @@ def layout_key(config: Config, layout: ParallelLayout, vocab: int) -> dict:
             # megatron's per-rank optimizer state (--ckpt-format torch) only loads into the
             # same buckets: with this in the layout a bucket change is refused in one line.
             "bucket": p.ddp_bucket_size or 0,
+            # --bf16 with torch norms: since they are bf16 too (model._torch_modules_to_bf16) they
+            # share the other parameters' buffers; older checkpoints' per-rank optimizer state
+            # (--ckpt-format torch) had them in a buffer of their own: refused in one line.
+            **({"bf16_norms": True} if config.model.bf16 and config.model.transformer_impl == "local" else {}),
             # Megatron-FSDP's shards: its checkpoint (per rank) loads into the same sharding only.
             **({"fsdp": [p.data_parallel_sharding_strategy, p.num_distributed_optimizer_instances]}
                if p.use_megatron_fsdp else {}),

@@ -40,6 +40,11 @@ if [[ -n "${DILOCO_REPLICAS:-}" ]]; then
     fi
     OVERRIDES=(--diloco-replicas "$DILOCO_REPLICAS" "${OVERRIDES[@]}")
 fi
+# SETUP (see srun below), tried once here first: a SETUP that fails is one line, not one per node.
+if [[ -n "${SETUP:-}" ]] && ! setup_err="$(bash -c "$SETUP" 2>&1 >/dev/null)"; then
+    echo "error: SETUP failed on $(hostname): $(tail -n 1 <<< "${setup_err:-its exit status was not 0}")" >&2
+    exit 2
+fi
 mkdir -p "$RUN_DIR"
 STOP_FILE="$RUN_DIR/STOP"
 rm -f "$STOP_FILE"  # a fresh start or a requeued one: train until told otherwise
@@ -84,11 +89,16 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label ${SLURM_CPUS_PER_TASK:+--c
     --max-restarts "${MAX_RESTARTS:-2}" \
     -- "${OVERRIDES[@]}" &
 SRUN_PID=$!
-rc=0
-# A trap interrupts `wait`; keep waiting until srun itself has finished.
+# Until srun has finished: keep a requested stop's file in place. A signal that comes while
+# the training is still starting (Slurm sends --signal up to a minute early) finds its file
+# older than the training process, which discards it as left over from an earlier job; the
+# file made again here is newer, and honoured.
 while kill -0 "$SRUN_PID" 2>/dev/null; do
-    if wait "$SRUN_PID"; then rc=0; else rc=$?; fi
+    if [[ $STOP_REQUESTED -eq 1 && ! -e "$STOP_FILE" ]]; then touch "$STOP_FILE"; fi
+    sleep 1
 done
+rc=0
+wait "$SRUN_PID" || rc=$?
 
 # Training removes the stop file once it has honoured it, so remember the request here.
 if [[ $STOP_REQUESTED -eq 1 && $rc -eq 0 ]]; then

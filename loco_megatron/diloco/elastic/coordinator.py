@@ -167,7 +167,7 @@ class ElasticCoordinator:
         self.reason = broken[0] if broken else ("the lanes disagree" if cycle is None else "")
         if cycle is not None and cycle.action == REFUSE:
             return cycle  # (every participant knows: no vote; the refused one ends, the others discard)
-        go = self._agree(cycle is not None, "go")
+        go = self._agree(cycle is not None)  # the go vote
         if not go and cycle is not None:
             self.reason = "another replica could not go on"
         return cycle if go else None
@@ -200,24 +200,30 @@ class ElasticCoordinator:
             return (ERROR, "the quorum's group is stale (the lighthouse restarted)"), None
         self.grouped = True
         world, rank = max(m.num_participants(), 1), m.participating_rank() or 0
-        mine = fingerprint(self._healed)
+        try:
+            mine = fingerprint(self._healed)
+        except ValueError as e:  # (what it took cannot be this replica's: the cycle fails on every rank)
+            m.report_error(e)
+            self.grouped = False  # (no gather issued: the peers' waits on it time out)
+            return (ERROR, brief(e)), None
         mine.cycles = self.opened
-        rows = torch.zeros(world * Fingerprint.WIDTH, dtype=torch.int64)
+        # (on the group's device: NCCL's collectives take CUDA tensors only)
+        rows = torch.zeros(world * Fingerprint.WIDTH, dtype=torch.int64, device=self.device)
         self.phase = "fingerprint"
-        work = self.ops.all_gather_into_tensor(rows, mine.tensor())
+        work = self.ops.all_gather_into_tensor(rows, mine.tensor().to(self.device))
         if work is not None:
             work.wait()
         error = m.errored()
         if error is not None:  # (the gather failed, or was lost here: the ops keep ``grouped`` up to date)
             return (ERROR, brief(error.original_exception)), None
-        participants = [Fingerprint.of(r) for r in rows.view(world, Fingerprint.WIDTH)]
+        participants = [Fingerprint.of(r) for r in rows.cpu().view(world, Fingerprint.WIDTH)]
         return (OK, ""), plan(participants, rank, self._healed)
 
-    def _agree(self, yes: bool, what: str) -> bool:
+    def _agree(self, yes: bool) -> bool:
         """A vote (:func:`.ops.vote`) over the participants on each lane, then the MIN over
         this job: the same answer on every rank of this replica."""
         if self.lane is not None:
-            voted = vote(self.pg, yes) if self.grouped else None
+            voted = vote(self.pg, yes, self.device) if self.grouped else None
             self.grouped = voted is not None and self.grouped
             yes = bool(voted)
         flag = torch.tensor([int(yes)], dtype=torch.int64)
@@ -246,7 +252,7 @@ class ElasticCoordinator:
             flag = torch.tensor([int(ok)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
             return False
-        committed = self._agree(ok, "commit")
+        committed = self._agree(ok)  # the commit vote
         if not committed and not self.errored():
             self.reason = "another replica's exchange failed"
         return committed

@@ -118,15 +118,16 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
                          get_rank=get_rank, get_world_size=get_world_size)
 
 
-def vote(pg, yes: bool) -> Optional[bool]:
+def vote(pg, yes: bool, device: torch.device) -> Optional[bool]:
     """The MIN over the cycle's participants of ``yes`` (one tiny all-reduce on torchft's
     group ``pg``), None when the all-reduce itself fails. Issued by every participant whose
     group is usable at the same program point, also after a failure that left it usable
     (unlike :func:`torchft_ops`' collectives, which turn into no-ops after any failure), so
-    one participant's failure reaches the others at once instead of after a timeout."""
+    one participant's failure reaches the others at once instead of after a timeout.
+    ``device``: the group's (NCCL's collectives take CUDA tensors only)."""
     from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
-    t = torch.tensor([int(yes)], dtype=torch.int64)
+    t = torch.tensor([int(yes)], dtype=torch.int64, device=device)
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MIN
     try:

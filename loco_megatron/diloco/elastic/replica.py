@@ -17,7 +17,6 @@ from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
 from loco_megatron.diloco.elastic.cycle import Cycle, Fingerprint, live_mask, plan
 from loco_megatron.diloco.elastic.split import Share
 from loco_megatron.diloco.outer import OuterStep
-from loco_megatron.failures import RunAborted
 
 
 @dataclasses.dataclass
@@ -146,6 +145,11 @@ class ReplicaStep(OuterStep):
         progress and split)."""
         if healed is None:
             return dataclasses.replace(common, state=state_hash(self.agreed, self.momentum, self.outer_steps))
+        mine = {k: a.numel() for k, a in self.agreed.items()}
+        theirs = {k: a.numel() for k, a in healed["agreed"].items()}
+        if mine != theirs:  # (the config hashes match, so a bug, not bad input: the cycle fails everywhere)
+            raise ValueError(f"the state healed from a live replica does not fit this one's lanes ({theirs} there, "
+                             f"{mine} here)")
         shares = healed.get("shares")
         share = (shares or {}).get(self.replica, Share(0, 0)) if self.split.mode != "fixed" else self.share
         return dataclasses.replace(
@@ -173,22 +177,17 @@ class ReplicaStep(OuterStep):
         hosts the agreed parameters and momentum of the lane, on every rank the progress and
         the split; then every rank's shards take the agreed parameters."""
         state = cycle.healed
-        if self.coordinator.lane is not None:
-            mine = {k: a.numel() for k, a in self.agreed.items()}
-            theirs = {k: a.numel() for k, a in state["agreed"].items()}
-            if mine != theirs:  # (the fingerprints match, so this is a bug, not bad input)
-                raise RunAborted(f"DiLoCo: the state healed from a live replica does not fit this one's lanes "
-                                 f"({theirs} there, {mine} here)")
+        if self.coordinator.lane is not None:  # (its lanes' sizes were checked in the fingerprint)
             self._adopt(state["agreed"], state["momentum"])
         kept = self.inner_steps > 0
-        self._restart_outer(int(state["outer_steps"]))
-        if self.split.mode != "fixed":
-            shares = state.get("shares")
-            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
         nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
         self._log(f"DiLoCo: healed from replica {state['replica']} over torchft's transport: the agreed parameters "
                   f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {state['iteration']} and "
                   f"the LR schedule's position")
+        self._restart_outer(int(state["outer_steps"]))
+        if self.split.mode != "fixed":
+            shares = state.get("shares")
+            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
         self._take_progress(state, kept)
 
     def _adopt(self, agreed: dict, momentum: Optional[dict]) -> None:

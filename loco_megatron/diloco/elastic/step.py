@@ -4,6 +4,9 @@ torchft cycles (:mod:`.coordinator`) instead of one world's program order.
 At each of its sync points (the schedule's, as in one world) a replica opens a cycle; the
 plan (:func:`.cycle.plan`) says what it does, the same on every participant:
 
+* a cycle that fails before the go vote (a quorum error, a lost fingerprint, a replica of
+  the last cycle missing) is asked again: the replicas train on only on a membership and
+  a batch split every participant confirmed;
 * a heal (torchft's, in the quorum) is taken at once: it is a committed state of the run;
 * the batch split changes when the quorum passed the go vote (its membership is known to
   every participant alike), from the next step on;

@@ -1,0 +1,130 @@
+"""Elastic DiLoCo across restarts (real torchrun replica jobs and a real torchft Lighthouse,
+gloo): a replica that stalls past its heartbeat, a run with too few replicas for an outer
+step, and every job killed and restarted from its checkpoints. The rows marked * of the
+elastic matrix in tests/test_elastic_faults.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, train_losses
+from test_elastic import Run, _committed, _trained
+from test_elastic_faults import _bit_identical, _tiled
+
+
+def test_a_replica_that_stalls_is_left_behind_and_heals_keeping_its_optimizer(cache_dir, tmp_path):
+    """Guards against a stalled replica (every process stopped, as a hung node) holding the
+    others back past its heartbeat, against it rejoining on a stale model, and against its
+    line saying its inner optimizer state is fresh when it kept it: replica 1 is stopped
+    mid-interval until replica 0 has taken its next outer step without it (after asking
+    the lighthouse once more); replica 1, continued, heals from replica 0 at a later outer
+    step, says its inner optimizer state is its own, kept, and from then on their outer
+    state is bit-identical after every cycle; both train to the end."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20)
+    try:
+        run.start("r0", 0, env=run.hold(11))  # (held until replica 1 asks again: they must meet after the stall)
+        run.start("r1", 1)
+        run.wait_iteration("r1", 5)
+        run.signal("r1", signal.SIGSTOP)
+        run.wait_held("r0", 0, 11)  # (its outer step at 8 went on without replica 1: past the heartbeat timeout)
+        run.signal("r1", signal.SIGCONT)
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "dump" / "replica1_rank0.cycle.8").exists():
+            assert time.monotonic() < deadline and run.jobs["r1"].poll() is None, run.log("r1")[-3000:]
+            time.sleep(0.2)
+        (tmp_path / "release.11").touch()
+        codes = [run.finish("r0"), run.finish("r1")]
+        assert codes == [0, 0], (run.log("r0")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    assert "replica 1 left" in run.log("r0") and "replica 1 joined" in run.log("r0"), run.log("r0")[-3000:]
+    log = run.log("r1")
+    assert "DiLoCo: healed from replica 0" in log, log[-3000:]
+    assert "DiLoCo: the inner optimizer state is this replica's own, kept from its training so far" in log, log[-3000:]
+    healed = next(d for d in run.dumps(1) if d["at"] == "cycle" and d["live"] == [0, 1] and d["iteration"] > 8)
+    assert _bit_identical(run.dumps(0), run.dumps(1), since=healed["iteration"])[-1] == 20
+    for name in ("r0", "r1"):
+        assert sorted(train_losses(run.metrics(name)))[-1] == 20
+
+
+def test_too_few_replicas_never_end_on_the_initial_weights(cache_dir, tmp_path):
+    """Guards against --diloco-min-replicas 2 with one live replica silently losing all
+    training: every outer step was discarded, the final step handed every replica the
+    initial weights, saved them as the run's result and exited 0. Now each sync point says
+    the outer step is withheld, the replica trains on (its loss falls), the run ends in one
+    line with a non-zero exit after saving the checkpoint that keeps its training (no
+    diloco.final in it), the summary says no outer step committed, and the export refuses
+    the checkpoint's agreed model (the initial one)."""
+    save = tmp_path / "ck"
+    run = Run(tmp_path, cache_dir, replicas=2, iters=8,
+              extra=["--diloco-min-replicas", "2", "--diloco-quorum-timeout-s", "5", "--save", str(save)])
+    try:
+        run.start("r0", 0)
+        code = run.finish("r0")
+    finally:
+        run.close()
+    log = run.log("r0")
+    assert code != 0, log[-3000:]
+    withheld = [ln for ln in log.splitlines() if ln.startswith("DiLoCo: the outer step at iteration")]
+    assert withheld == [f"DiLoCo: the outer step at iteration {t} is withheld (1 live replica(s), --diloco-min-replicas "
+                        "2): the replicas train on and their progress goes into the next outer step" for t in (4, 8)], \
+        log[-3000:]
+    errors = [ln for ln in log.splitlines() if ln.startswith("pretrain_gpt.py: error:") or "DiLoCo: the final" in ln]
+    assert any("the final outer step at iteration 8 is withheld (1 live replica(s), --diloco-min-replicas 2): the run "
+               "has no agreed final model; the checkpoint at iteration 8 keeps this replica's training" in ln
+               for ln in errors), log[-3000:]
+    assert "took part in 0 of the 0 outer steps committed while it was live (0 in the run)" in log
+    losses = train_losses(run.metrics("r0"))
+    assert losses[8] < losses[1], losses  # (it trained on)
+    folder = save / "iter_0000008"
+    assert folder.is_dir()
+    export = subprocess.run([sys.executable, "tools/export_hf.py", "--load", str(folder), "--out", str(tmp_path / "hf")],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert export.returncode == 2 and not (tmp_path / "hf").exists(), export.stderr[-2000:]
+    assert "holds no trained agreed model: its run committed no outer step yet" in export.stderr, export.stderr[-2000:]
+
+
+def test_a_whole_run_restart_resumes_at_one_committed_outer_step(cache_dir, tmp_path):
+    """Guards against a whole-run restart (every job killed, all restarted with --load) that
+    does not come back to the agreed model: the first replica back trained alone, an extra
+    momentum-only outer step ran with no training in between, a replica was healed past
+    samples nobody trained. Replica 0 (TP 2) saves every 4 steps, replica 1 (one rank)
+    every 6; both are held
+    after step 10 and killed (checkpoints 8 and 6); replica 0 restarts first and waits for
+    the other, replica 1 restarts and (its first heal failing on the way in, asked again)
+    heals to replica 0's committed step at 8 (its own steps 7-8 went into that step before
+    the kill); no outer step is taken at the
+    restart, both train 9-20 on bit-identical outer state, and their shares tile every
+    batch from 9 on."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20)
+    ck = [tmp_path / "ck0", tmp_path / "ck1"]
+    try:
+        run.start("r0", 0, "--tensor-model-parallel-size", "2", "--save", str(ck[0]), "--save-interval", "4",
+                  nproc=2, env=run.hold(10))
+        run.start("r1", 1, "--save", str(ck[1]), "--save-interval", "6", env=run.hold(10))
+        for r, name in enumerate(("r0", "r1")):
+            run.wait_held(name, r, 10)
+        run.kill("r0")
+        run.kill("r1")
+        run.start("r0b", 0, "--tensor-model-parallel-size", "2", "--load", str(ck[0]), "--save", str(ck[0]),
+                  "--save-interval", "4", nproc=2)
+        run.wait_log("r0b", "DiLoCo: waiting for the 2 replicas expected")
+        run.start("r1b", 1, "--load", str(ck[1]), "--save", str(ck[1]), "--save-interval", "6",
+                  env={"LOCO_TEST_FAULTS": "heal@6=raise"})
+        codes = [run.finish("r0b"), run.finish("r1b")]
+        assert codes == [0, 0], (run.log("r0b")[-3000:], run.log("r1b")[-3000:])
+    finally:
+        run.close()
+    assert "loading checkpoint" in run.log("r0b") and "iter_0000008" in run.log("r0b")
+    assert "DiLoCo: healed from replica 0" in run.log("r1b"), run.log("r1b")[-3000:]
+    zeros, ones = run.dumps(0), run.dumps(1)
+    restart = [d for d in zeros if d["at"] == "join"][-1], [d for d in ones if d["at"] == "join"][-1]
+    assert restart[0]["iteration"] == restart[1]["iteration"] == 8, restart
+    assert restart[0]["agreed"] == restart[1]["agreed"] and restart[0]["outer_steps"] == restart[1]["outer_steps"] == 2
+    after = [d for d in zeros[zeros.index(restart[0]):]], [d for d in ones[ones.index(restart[1]):]]
+    assert _bit_identical(*after) == [8, 12, 16, 20]
+    assert _committed(after[0])[20]["outer_steps"] == 5  # 4, 8 before the kill; 12, 16, 20 after: nothing extra
+    _tiled(_trained(after[0], 8), _trained(after[1], 8), range(9, 21), gbs=8)  # (fixed: 4 + 4 of TINY's 8)
