@@ -96,7 +96,6 @@ def _probe(out: str, argv: list) -> None:
     """Under torchrun: pretrain_gpt.py with Checkpointer.save/load measured (see the docstring)."""
     import resource
     import threading
-    import time
     import warnings
 
     import psutil

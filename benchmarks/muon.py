@@ -85,8 +85,8 @@ def report(finals: dict, h: int, replicas: int, iters: int, seeds: list[int]) ->
                   *paired.lr_table(finals, dp, labels), ""]
     outer = [v for v in (dl, mdl, f"mdl4-h{h}", f"mdl2gc-h{h}") if v in have]
     if outer:
-        lines += [f"## DiLoCo: mean over the sweep seeds at each outer learning rate (inner LR: the data-parallel "
-                  f"tuned one of its optimizer)", "", *paired.lr_table(finals, outer, labels), ""]
+        lines += ["## DiLoCo: mean over the sweep seeds at each outer learning rate (inner LR: the data-parallel "
+                  "tuned one of its optimizer)", "", *paired.lr_table(finals, outer, labels), ""]
     lines += ["## Paired gaps, each side at its tuned LR", ""]
     pairs = [("muon", "fp32"), (dl, "fp32"), (mdl, "fp32"), (mdl, "muon"), (mdl, dl),
              (f"mdl4-h{h}", mdl), (f"mdl2gc-h{h}", mdl), ("muon-loco4", "muon")]

@@ -28,7 +28,6 @@ import pathlib
 import sys
 import warnings
 
-import torch
 import torch.distributed as dist
 
 from loco_megatron.cli import main_config

@@ -120,7 +120,7 @@ def test_stopped_rank_ends_the_job_with_one_line_naming_it(store, stopped, cache
     lines = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert len(lines) == 1, out[-3000:]
     other = 1 - stopped
-    who = (rf"rank 0, which hosts the job's store at \S+, is not responding: no answer" if store == "rank 0" else
+    who = (r"rank 0, which hosts the job's store at \S+, is not responding: no answer" if store == "rank 0" else
            rf"rank {stopped} \(pid {victim} on \S+\) is not responding: no heartbeat")
     assert re.match(rf"pretrain_gpt.py: error: {who} for \d+ s \(stopped, frozen, or its node or network is down\); "
                     rf"rank {other} has finished iteration ([2-9]|\d\d+); ending the job: check that node, then "

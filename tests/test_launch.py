@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 

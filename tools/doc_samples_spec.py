@@ -122,7 +122,7 @@ RUNS: dict[str, Run] = {
     "default": Run("torchrun --standalone --nproc_per_node 2 pretrain_gpt.py --loco-bits 4"),
     "cp-error": Run("python pretrain_gpt.py --context-parallel-size 2", exit_code=2),
     "profile": Run(
-        f"torchrun --standalone --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
+        "torchrun --standalone --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
         "--num-attention-heads 4 \\\n    --seq-length 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 4 "
         "--log-interval 2 --loco-bits 4 \\\n    --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0,1 "
         "--profile-dir prof \\\n    --tensorboard-dir tb --peak-tflops 1.0"),

@@ -43,7 +43,6 @@ import re
 import warnings
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from loco_megatron.checkpoint import diloco, files
