@@ -10,18 +10,18 @@ tests/test_elastic_restarts.py; tests/test_elastic.py adds a replica killed mid-
 and rejoining, one dying inside an exchange, a restart in another layout, duplicate ids
 and another model shape):
 
-=========================  ===========================  =========  ====  ===========  ==========
-test                       layouts (ranks)              fragments  tau   inner LoCo   split
-=========================  ===========================  =========  ====  ===========  ==========
-streaming / run ended      TP2 (2) + 1                  2          0     -            weight
-each exchange failing      DP2 (2) + 1                  1          0     4-bit        weight
-late ranks                 DP2 (2) + DP2 (2), 2 lanes   1          0     4-bit        throughput
-lighthouse restart         1 + 1                        2          1     -            fixed
-a replica stalls *         1 + 1                        1          0     -            fixed
-too few replicas *         1                            1          0     -            fixed
-whole-run restart *        TP2 (2) + 1                  1          0     -            fixed
-bad joiner                 DP2 (2) + micro 6 (1)        1          0     -            weight
-=========================  ===========================  =========  ====  ===========  ==========
+=========================  ===========================  =========  ====  ===========  ==========  =========
+test                       layouts (ranks)              fragments  tau   inner LoCo   split       optimizer
+=========================  ===========================  =========  ====  ===========  ==========  =========
+streaming / run ended      TP2 (2) + 1                  2          0     -            weight      adam
+each exchange failing      DP2 (2) + 1                  1          0     4-bit        weight      adam
+late ranks                 DP2 (2) + DP2 (2), 2 lanes   1          0     4-bit        throughput  adam
+lighthouse restart         1 + 1                        2          1     -            fixed       adam
+a replica stalls *         1 + 1                        1          0     -            fixed       muon
+too few replicas *         1                            1          0     -            fixed       adam
+whole-run restart *        TP2 (2) + 1                  1          0     -            fixed       muon
+bad joiner                 DP2 (2) + micro 6 (1)        1          0     -            weight      adam
+=========================  ===========================  =========  ====  ===========  ==========  =========
 """
 
 from __future__ import annotations

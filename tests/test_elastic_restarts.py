@@ -22,8 +22,9 @@ def test_a_replica_that_stalls_is_left_behind_and_heals_keeping_its_optimizer(ca
     mid-interval until replica 0 has taken its next outer step without it (after asking
     the lighthouse once more); replica 1, continued, heals from replica 0 at a later outer
     step, says its inner optimizer state is its own, kept, and from then on their outer
-    state is bit-identical after every cycle; both train to the end."""
-    run = Run(tmp_path, cache_dir, replicas=2, iters=20)
+    state is bit-identical after every cycle; both train to the end. Under MuLoCo (Muon
+    inner): the kept state is Muon's momentum and its AdamW part's moments."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20, extra=["--optimizer", "muon"])
     try:
         run.start("r0", 0, env=run.hold(11))  # (held until replica 1 asks again: they must meet after the stall)
         run.start("r1", 1)
@@ -98,8 +99,9 @@ def test_a_whole_run_restart_resumes_at_one_committed_outer_step(cache_dir, tmp_
     heals to replica 0's committed step at 8 (its own steps 7-8 went into that step before
     the kill); no outer step is taken at the
     restart, both train 9-20 on bit-identical outer state, and their shares tile every
-    batch from 9 on."""
-    run = Run(tmp_path, cache_dir, replicas=2, iters=20)
+    batch from 9 on. Under MuLoCo (Muon inner, megatron's layer-wise optimizer: each site's
+    Muon momentum saved and loaded at its own layout, TP 2 and one rank)."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=20, extra=["--optimizer", "muon"])
     ck = [tmp_path / "ck0", tmp_path / "ck1"]
     try:
         run.start("r0", 0, "--tensor-model-parallel-size", "2", "--save", str(ck[0]), "--save-interval", "4",
