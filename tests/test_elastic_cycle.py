@@ -101,6 +101,20 @@ def test_a_joiner_whose_share_cannot_split_the_batch_is_refused_alone():
     assert plan([live, dataclasses.replace(joiner, granule=2)], 0, 2, 1, "weight", GBS).action == OUTER
 
 
+def test_a_joiner_with_another_inner_optimizer_is_refused_alone():
+    """Guards against a MuLoCo run silently mixing inner optimizers (a site started with
+    --optimizer adam taking part in a Muon run's outer steps, or ending it): the joiner is
+    refused with a line naming both optimizers, the live replica goes on."""
+    live = fp(0, joining=False, inner=1)
+    joiner = fp(1, joining=True, iteration=0, outer_steps=0, healed=True)
+    cycle = plan([joiner, live], 1, 2, 1, "fixed", GBS)
+    assert cycle.action == REFUSE and cycle.refused_ranks == {0}
+    assert cycle.refused == ("--diloco-replica-id 1: --optimizer adam differs from the run's muon (replica 0's; "
+                             "every replica trains with the same inner optimizer)")
+    assert plan([dataclasses.replace(joiner, inner=1), live], 1, 2, 1, "fixed", GBS).action != REFUSE
+    assert Fingerprint.of(live.tensor()) == live
+
+
 def test_the_lanes_of_a_replica_decide_as_one():
     """Guards against lanes of one replica going different ways (one exchanging, one agreeing,
     one broken): a failed lane breaks the cycle, lanes that saw other participants break it,

@@ -34,6 +34,10 @@ def config_hash(parts: list) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
+INNER_OPTIMIZERS = ("adam", "muon")
+"""--optimizer's choices, in the order :attr:`Fingerprint.inner` numbers them."""
+
+
 @dataclasses.dataclass
 class Fingerprint:
     """One participant of a cycle, as its lane host sends it (every field but ``state`` and
@@ -79,10 +83,13 @@ class Fingerprint:
     """The replicas of its last cycle, as a bit mask (ids below 63)."""
     recheck: bool = False
     """It asks again because the last quorum missed a replica of the one before."""
+    inner: int = 0
+    """Its --optimizer, as an index into :data:`INNER_OPTIMIZERS` (every replica must train
+    with the same: a refusal names it)."""
 
     FIELDS = ("replica", "config", "iteration", "joining", "healed", "cycles", "outer_steps", "state", "split",
               "offset", "samples", "trained", "speed", "weight", "lanes", "granule", "ready", "world", "live",
-              "recheck")
+              "recheck", "inner")
     WIDTH = len(FIELDS)
     """int64 entries of :meth:`tensor`."""
 
@@ -165,14 +172,19 @@ def advanced(p: Fingerprint, index: int = 0) -> tuple:
 
 def refusal(ps: list[Fingerprint], global_batch: int) -> tuple[str, set[int]]:
     """(the line, the participating ranks refused) for participants that do not fit the
-    most advanced one (:func:`advanced`): another fingerprint hash or lane count, a replica
+    most advanced one (:func:`advanced`): another fingerprint hash, inner optimizer or lane count, a replica
     id a more advanced participant already has, or a smallest share (micro batch x DP)
     that leaves no split of the global batch in whole shares with the others'. ('', empty)
     when all fit. Every rank computes the same from the same fingerprints."""
     ref = max(range(len(ps)), key=lambda i: advanced(ps[i], i))
-    refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config or p.lanes != ps[ref].lanes}
+    refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config or p.lanes != ps[ref].lanes
+               or p.inner != ps[ref].inner}
     if refused:
         bad = ps[min(refused)]
+        if bad.inner != ps[ref].inner:
+            return (f"--diloco-replica-id {bad.replica}: --optimizer {INNER_OPTIMIZERS[bad.inner]} differs from the "
+                    f"run's {INNER_OPTIMIZERS[ps[ref].inner]} (replica {ps[ref].replica}'s; every replica trains "
+                    f"with the same inner optimizer)", refused)
         if bad.lanes != ps[ref].lanes:
             return (f"--diloco-replica-id {bad.replica}: --diloco-outer-ranks {bad.lanes} differs from the run's "
                     f"{ps[ref].lanes} (replica {ps[ref].replica}'s; every replica must exchange over as many "

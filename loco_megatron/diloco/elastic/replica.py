@@ -14,7 +14,7 @@ import torch
 
 from loco_megatron.diloco.elastic.agreement import state_hash
 from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
-from loco_megatron.diloco.elastic.cycle import Cycle, Fingerprint, live_mask, plan
+from loco_megatron.diloco.elastic.cycle import INNER_OPTIMIZERS, Cycle, Fingerprint, live_mask, plan
 from loco_megatron.diloco.elastic.split import Share
 from loco_megatron.diloco.outer import OuterStep
 
@@ -47,6 +47,8 @@ class Rules:
     """--diloco-min-replicas."""
     world: int
     """This job's ranks."""
+    optimizer: str = "adam"
+    """--optimizer (the inner optimizer: every replica's must be the same)."""
 
 
 class ReplicaStep(OuterStep):
@@ -138,7 +140,8 @@ class ReplicaStep(OuterStep):
                            split=self.split_id, offset=share.offset, samples=share.samples, trained=trained,
                            speed=round(self.speed * 1000), weight=round(self.split.weight * 1000),
                            lanes=self.coordinator.lanes, granule=self.split.granule, ready=ready,
-                           world=self.rules.world, live=live_mask(self.coordinator.live), recheck=recheck)
+                           world=self.rules.world, live=live_mask(self.coordinator.live), recheck=recheck,
+                           inner=INNER_OPTIMIZERS.index(self.rules.optimizer))
 
     def _lane_fingerprint(self, common: Fingerprint, healed: Optional[dict]) -> Fingerprint:
         """``common`` with this lane's state (after a heal: what it took, and the source's

@@ -84,4 +84,4 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
                           else None, slowest)
     return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
                             relay=lambda key: makers[key](), split=split,
-                            rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world))
+                            rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world, config.optimizer.optimizer))
