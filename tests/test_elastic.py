@@ -198,7 +198,8 @@ def test_survivors_train_on_and_agree_when_a_replica_dies(kill_and_rejoin):
     timeout plus one exchange's, each says replica 2 left, and after every outer step they
     hold bit-identical agreed parameters and outer momentum. Also against torchft's Rust
     INFO lines (several per quorum, on every rank) flooding a replica's console when the
-    user has no RUST_LOG: none reaches any replica's log."""
+    user has no RUST_LOG: none reaches any replica's log. And against the 4-bit outer
+    exchange's error buffers reset without a line when it is re-laid for fewer replicas."""
     run, codes = kill_and_rejoin["run"], kill_and_rejoin["codes"]
     assert codes["r0"] == 0 and codes["r1"] == 0, (run.log("r0")[-2000:], run.log("r1")[-2000:])
     for name in ("r0", "r1"):
@@ -208,6 +209,8 @@ def test_survivors_train_on_and_agree_when_a_replica_dies(kill_and_rejoin):
         steps = [m["train/step_s"] for m in run.metrics(name) if "train/step_s" in m and m["iteration"] != 15]
         assert max(steps) < 120 + 20, max(steps)  # --diloco-quorum-timeout-s + --diloco-exchange-timeout-s
         assert "replica 2 left" in run.log(name), run.log(name)[-3000:]
+        assert ("DiLoCo: 2 replica(s) take part (were 3): the outer exchange is re-laid for them, its error "
+                "buffers start at zero") in run.log(name), run.log(name)[-3000:]
     for name in ("r0", "r1", "r2b"):  # torchft's own log lines stay off without RUST_LOG
         assert "torchft::" not in run.log(name), [ln for ln in run.log(name).splitlines() if "torchft::" in ln][:3]
     a, b = _committed(run.dumps(0)), _committed(run.dumps(1))
