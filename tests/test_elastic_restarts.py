@@ -100,7 +100,9 @@ def test_a_whole_run_restart_resumes_at_one_committed_outer_step(cache_dir, tmp_
     the kill); no outer step is taken at the
     restart, both train 9-20 on bit-identical outer state, and their shares tile every
     batch from 9 on. Under MuLoCo (Muon inner, megatron's layer-wise optimizer: each site's
-    Muon momentum saved and loaded at its own layout, TP 2 and one rank)."""
+    Muon momentum saved and loaded at its own layout, TP 2 and one rank). Replica 0 keeps
+    its loaded 4-bit outer error buffers (laid for the same two replicas), where they were
+    dropped at its first outer step after the restart."""
     run = Run(tmp_path, cache_dir, replicas=2, iters=20, extra=["--optimizer", "muon"])
     ck = [tmp_path / "ck0", tmp_path / "ck1"]
     try:
@@ -122,6 +124,7 @@ def test_a_whole_run_restart_resumes_at_one_committed_outer_step(cache_dir, tmp_
         run.close()
     assert "loading checkpoint" in run.log("r0b") and "iter_0000008" in run.log("r0b")
     assert "DiLoCo: healed from replica 0" in run.log("r1b"), run.log("r1b")[-3000:]
+    assert "error buffers start at zero" not in run.log("r0b"), run.log("r0b")[-3000:]
     zeros, ones = run.dumps(0), run.dumps(1)
     restart = [d for d in zeros if d["at"] == "join"][-1], [d for d in ones if d["at"] == "join"][-1]
     assert restart[0]["iteration"] == restart[1]["iteration"] == 8, restart

@@ -246,7 +246,8 @@ class ReplicaStep(OuterStep):
         return {**super().common_state(), "elastic": {
             **self.coordinator.state_dict(), "samples_trained": self.samples_trained,
             "since": {str(f): n for f, n in self._since.items()}, "split": self.split_id,
-            "shares": {str(r): [s.offset, s.samples] for r, s in (self._shares or {}).items()}}}
+            "shares": {str(r): [s.offset, s.samples] for r, s in (self._shares or {}).items()},
+            "laid_for": list(self._laid_for)}}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """As :meth:`OuterStep.load_state_dict`, decided alike on every rank of the job: a
@@ -277,6 +278,9 @@ class ReplicaStep(OuterStep):
             shares = {int(r): Share(int(o), int(n)) for r, (o, n) in saved["shares"].items()}
             self._take_split(shares, int(saved.get("split", 0)))
         self.samples_trained = int(saved.get("samples_trained", 0))
+        # The replicas the loaded error buffers' rows were laid for: the first cycle keeps
+        # them when it has the same contributors (an older checkpoint: re-laid, one line).
+        self._laid_for = tuple(int(r) for r in saved.get("laid_for", ()))
         self._since = {f: int(saved.get("since", {}).get(str(f), self.samples_trained)) for f in self._since}
 
     def _agree_on_loaded(self) -> None:

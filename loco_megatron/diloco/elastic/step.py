@@ -223,9 +223,10 @@ class ElasticOuterStep(ReplicaStep):
             had_errors = self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
             for key, (views, _, sub, frag) in list(self.channels.items()):
                 self.channels[key] = (views, self._relay(key), sub, frag)
-            if had_errors and self._laid_for:  # (fresh channels: compressed outer gradients' error buffers at zero)
-                self._log(f"DiLoCo: {len(contributors)} replica(s) take part (were {len(self._laid_for)}): the outer "
-                          f"exchange is re-laid for them, its error buffers start at zero")
+            if had_errors:  # (fresh channels: the compressed outer gradients' error buffers at zero)
+                were = f" (were {len(self._laid_for)})" if self._laid_for else ""
+                self._log(f"DiLoCo: {len(contributors)} replica(s) take part{were}: the outer exchange is re-laid "
+                          f"for them, its error buffers start at zero")
             self._laid_for = contributors
         for _, channel, _, _ in self.channels.values():
             channel.rank = cycle.rank
