@@ -22,7 +22,8 @@ seeds; a gap whose magnitude is at most its spread is a tie), for the questions 
 Muon vs AdamW; AdamW-DiLoCo and MuLoCo each against data-parallel AdamW (and MuLoCo against
 data-parallel Muon); MuLoCo 4-/2-bit against MuLoCo fp32; Muon + LoCo 4-bit against Muon.
 
-    nice -n 10 python benchmarks/muon.py --out results/muon --iters 512 --seeds 1234,1235 --final-seeds 1236
+    nice -n 10 python benchmarks/muon.py --out results/muon --iters 512 --seeds 1234 --final-seeds 1235,1236 \
+        --adamw-lrs 2e-3,4e-3,8e-3 --muon-lrs 2e-3,4e-3,8e-3 --outer-lrs 0.15,0.25,0.4,0.55,0.7
     python benchmarks/muon.py --out results/muon ... --report-only   # the tables from the finished runs
     python benchmarks/muon.py --smoke --out /tmp/muon                 # seconds-scale check of the plumbing
     nice -n 10 python benchmarks/muon.py --out results/muon --speed 3   # the step-time ratio (speed.md)
@@ -101,6 +102,20 @@ def report(finals: dict, h: int, replicas: int, iters: int, seeds: list[int]) ->
         lines += ["", f"- target (MuLoCo's gap to data-parallel AdamW at most half of AdamW-DiLoCo's): AdamW-DiLoCo "
                   f"{paired.fmt_gap(*adam_gap)}, half of it {half:+.2f}%; MuLoCo {paired.fmt_gap(*muon_gap)}: "
                   + ("met, beyond the spread" if met else "not met beyond the spread of MuLoCo's gap")]
+    for a, b in [(f"mdl4-h{h}", mdl), (f"mdl2gc-h{h}", mdl), ("muon-loco4", "muon")]:
+        if a in have and b in have:
+            mean, sd, n = paired.paired(finals[a, paired.tuned_lr(finals, a)[0]], finals[b, paired.tuned_lr(finals, b)[0]])
+            worst = abs(mean) + (sd or 0.0)
+            if sd is None:
+                verdict = "one seed: no spread"
+            elif worst <= 0.5:
+                verdict = f"mean and spread together {worst:.2f}%: met, spread included"
+            elif abs(mean) <= 0.5:
+                verdict = (f"mean and spread together {worst:.2f}%: the mean is within 0.5%, the spread does not rule "
+                           f"out more")
+            else:
+                verdict = "not met"
+            lines.append(f"- target ({labels[a]} within 0.5% of {labels[b]}): mean {mean:+.2f}%, {verdict}")
     return lines + [""]
 
 
@@ -184,6 +199,10 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=32)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--stages", default="dp,loco,diloco", help="which of dp, loco, diloco to run (dp first)")
+    ap.add_argument("--muon-factor", default="",
+                    help="--muon-extra-scale-factor of every Muon run (default: the flag's default)")
+    ap.add_argument("--outer-variants", default="dl0,mdl0,mdl4,mdl2gc",
+                    help="which DiLoCo variants the diloco stage runs (their H: --inner-steps)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--data-cache-path", default=None, help="passed to pretrain_gpt.py (built-in corpus cache)")
     ap.add_argument("--report-only", action="store_true", help="no runs: the tables from the finished runs")
@@ -243,6 +262,8 @@ def main() -> None:
             return
         print(f"[{time.time() - t0:6.0f}s] {name}", flush=True)
         flags = [f.format(ranks=ranks) for f in quality.VARIANTS[variant][1]]
+        if args.muon_factor and "muon" in flags:
+            flags += ["--muon-extra-scale-factor", args.muon_factor]
         flags += ["--lr", lr] + (["--diloco-outer-lr", outer] if outer else [])
         run = quality.run(out, name, [*model, *flags, "--train-iters", str(args.iters), "--seed", str(seed)],
                           args.timeout, ranks, reuse=True)
@@ -255,6 +276,11 @@ def main() -> None:
             return None
 
     outer_variants = {f"dl0-h{h}": "fp32", f"mdl0-h{h}": "muon", f"mdl4-h{h}": "muon", f"mdl2gc-h{h}": "muon"}
+    chosen = {f"{v}-h{h}" for v in args.outer_variants.split(",") if v}
+    if chosen - set(outer_variants):
+        sys.exit(f"error: --outer-variants: {', '.join(sorted(chosen - set(outer_variants)))}: not one of "
+                 f"{', '.join(v.rsplit('-', 1)[0] for v in outer_variants)}")
+    outer_variants = {v: inner for v, inner in outer_variants.items() if v in chosen}
     for seed in seeds:  # seeds outermost: after the first one every grid has a point at every LR
         for v, grid in grids.items():
             for lr in grid if "dp" in stages else ():

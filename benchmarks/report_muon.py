@@ -19,7 +19,7 @@ HEADLINE = "| section 12: "
 """The prefix of this section's rows in the page's headline table (replaced on each update)."""
 COMMANDS = [
     "nice -n 10 python benchmarks/muon.py --out results/muon --iters 512 --seeds 1234 --final-seeds 1235,1236 \\",
-    "    --adamw-lrs 2e-3,4e-3,8e-3 --muon-lrs 2e-3,4e-3,8e-3 --outer-lrs 0.25,0.4,0.55,0.7",
+    "    --adamw-lrs 2e-3,4e-3,8e-3 --muon-lrs 2e-3,4e-3,8e-3 --outer-lrs 0.15,0.25,0.4,0.55,0.7",
     "nice -n 10 python benchmarks/muon.py --out results/muon --speed 3 --speed-iters 40",
     "nice -n 10 python benchmarks/muon.py --out results/muon_scales --iters 512 --seeds 1234 --scales 0.2,0.5,1 \\",
     "    --scale-lrs 1e-3,2e-3,4e-3,8e-3,1.6e-2",
