@@ -71,14 +71,15 @@ def gap_line(finals: dict, a: str, b: str, labels: dict) -> str:
     return paired.pair_line(finals, a, b, labels)
 
 
-def report(finals: dict, h: int, replicas: int, iters: int, seeds: list[int]) -> list[str]:
+def report(finals: dict, h: int, replicas: int, iters: int, seeds: list[int], factor: str = "") -> list[str]:
     """``muon.md``'s lines (see the module docstring) from ``finals[(variant, lr)][seed]``."""
     dl, mdl = f"dl0-h{h}", f"mdl0-h{h}"
     labels = {"fp32": "AdamW", "muon": "Muon", "muon-loco4": "Muon + LoCo 4-bit",
               dl: "AdamW-DiLoCo (fp32 outer)", mdl: "MuLoCo (fp32 outer)", f"mdl4-h{h}": "MuLoCo (4-bit outer)",
               f"mdl2gc-h{h}": "MuLoCo (2-bit outer)"}
     have = [v for v in labels if any(k[0] == v for k in finals)]
-    lines = [f"# Muon vs AdamW, LoCo and DiLoCo (H={h}, {replicas} replicas): {iters} steps, final eval loss, "
+    muon = f"Muon (--muon-extra-scale-factor {factor})" if factor else "Muon"
+    lines = [f"# {muon} vs AdamW, LoCo and DiLoCo (H={h}, {replicas} replicas): {iters} steps, final eval loss, "
              f"seeds {', '.join(map(str, seeds))}", ""]
     dp = [v for v in ("fp32", "muon") if v in have]
     if dp:
@@ -296,7 +297,7 @@ def main() -> None:
                 for olr in (outer_lrs if seed in seeds else [tuned(v)] if tuned(v) else []):
                     one(v, seed, tuned(inner), olr)
     # (muon-loco4 runs at one LR: its "tuned" LR is Muon's)
-    lines = report(finals, h, args.replicas, args.iters, seeds + final_seeds)
+    lines = report(finals, h, args.replicas, args.iters, seeds + final_seeds, args.muon_factor)
     (out / "muon.md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(out / "muon.md")
