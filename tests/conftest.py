@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import socket
@@ -100,14 +101,31 @@ def program(name: str) -> str:
     return found
 
 
+def free_port() -> int:
+    """A free TCP port on localhost for a test's store or lighthouse, below the kernel's
+    ephemeral range: a port handed out for a bind to port 0 and released can be taken by
+    any outgoing connection (gloo opens many; the other xdist worker runs beside) before
+    the store listens on it (EADDRINUSE seen in the suite); below that range only another
+    listener can take it, and a random pick makes two tests choosing at once unlikely."""
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # (seeded from os.urandom: each process picks apart)
+    for _ in range(200):
+        port = rng.randrange(min(10000, low - 1000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low}")
+
+
 def spawn_ranks(worker, world: int, results: int, timeout: float = 300) -> list:
     """Run ``worker(rank, world, port, queue)`` on ``world`` spawned processes (a free port
     for their gloo group on localhost) and return the ``results`` items they put on the queue."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]

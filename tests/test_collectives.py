@@ -1,22 +1,17 @@
 """Compressed reduce-scatter on 2 and 4 real gloo ranks, against plain torch collectives."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from loco_megatron.loco import LoCoCompressor, dequantize_blockwise
 from loco_megatron.loco.collectives import (ShardLayout, compressed_all_gather_sum, compressed_reduce_scatter,
                                          gathered_layout)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, numel, bits, all_gather, queue, collected):
@@ -56,7 +51,7 @@ def _spawn(target, world, *args):
     returns ``{rank: what it put on the queue}``."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue, collected)) for r in range(world)]
     for p in procs:
         p.start()

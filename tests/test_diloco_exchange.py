@@ -4,7 +4,6 @@ shards), against a plain-torch DiLoCo written here."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -15,17 +14,13 @@ from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.outer import OuterStep, ShardViews
 from loco_megatron.diloco.schedule import FragmentSchedule
 from loco_megatron.loco.quantize import QuantOptions
+from conftest import free_port
 
 R = 3
 NUMEL = 1000  # not a multiple of 3 rows or of 256-element blocks
 SIZES = ((300, 77), (129,))  # parameter shards per fragment (fragment 0: two, fragment 1: one)
 H, F, TAU, ALPHA, LR, MU, STEPS = 4, 2, 1, 0.5, 0.7, 0.9, 14
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grad(rank: int, t: int, size: int, k: int) -> torch.Tensor:
@@ -85,7 +80,7 @@ def _worker(rank, port, queue, collected):
 def _results() -> dict:
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue, collected)) for r in range(R)]
     for p in procs:
         p.start()

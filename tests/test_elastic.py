@@ -14,16 +14,11 @@ import time
 
 import pytest
 
-from conftest import TINY, program, read_metrics, run_launch, start_launch, torchrun_command, train_losses
+from conftest import TINY, free_port, program, read_metrics, run_launch, start_launch, torchrun_command, train_losses
 
 H = 4
 TIMEOUTS = ["--diloco-quorum-timeout-s", "120", "--diloco-exchange-timeout-s", "20"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Run:
@@ -31,7 +26,7 @@ class Run:
 
     def __init__(self, tmp: pathlib.Path, cache: str, replicas: int, iters: int, extra: list[str] = ()):
         self.tmp, self.cache, self.replicas, self.iters, self.extra = tmp, cache, replicas, iters, list(extra)
-        port = _free_port()
+        port = free_port()
         self.address = f"http://localhost:{port}"
         self.port = port
         self.jobs: dict[str, subprocess.Popen] = {}
@@ -465,7 +460,7 @@ def test_bad_replicas_are_refused_in_one_line_and_the_run_goes_on(cache_dir, tmp
 def test_an_unreachable_lighthouse_is_one_line_within_seconds(tmp_path, cache_dir):
     """Guards against a replica that hangs (or tracebacks) when the lighthouse is not up: one
     line naming the address, exit 2, long before any quorum timeout would fire."""
-    port = _free_port()
+    port = free_port()
     args = [*TINY, "--train-iters", "4", "--diloco-replicas", "2", "--diloco-lighthouse", f"http://localhost:{port}",
             "--diloco-replica-id", "0"]
     cmd, env = torchrun_command(1, args, cache_dir, tmp_path / "m.jsonl")

@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import os
 import random
-import socket
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import program, spawn_ranks
+from conftest import free_port, program, spawn_ranks
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash, tensor_sums
 from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Fingerprint,
@@ -188,9 +187,7 @@ def test_the_lighthouse_status_page_says_who_asked_and_how_far():
     ends a replica whose --train-iters it reached, and other pages are refused."""
     from torchft._torchft import LighthouseClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     address = f"http://localhost:{port}"
     lighthouse = subprocess.Popen([program("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, program, read_metrics
+from conftest import REPO, TINY, free_port, program, read_metrics
 
 sys.path.insert(0, str(REPO / "tools"))
 import launch  # noqa: E402
@@ -149,7 +149,7 @@ def test_the_store_host_waits_for_the_other_nodes_agents():
 
     import torchrun
 
-    port = _free_port()
+    port = free_port()
     argv = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t", "x.py"]
     host = torchrun.StoreKeeper(parse_args([*argv[:4], "--rdzv-conf=is_host=true", argv[4]]))
     other = torchrun.StoreKeeper(parse_args([*argv[:4], "--rdzv-conf=is_host=false", argv[4]]))
@@ -164,9 +164,4 @@ def test_the_store_host_waits_for_the_other_nodes_agents():
     other.at_end()  # ... whose agent, done later, still reaches the store
     assert done.wait(60) and host.store.get("rendezvous") == b"closed"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

@@ -146,6 +146,49 @@ def test_tensor_parallel_modes_against_torch_muon_on_one_rank():
         assert not torch.allclose(got[0]["duplicated"][i], got[0]["blockwise"][i], atol=1e-4)
 
 
+def _gather_worker(rank: int, world: int, port: int, queue, collected) -> None:
+    """Rank ``r`` owns ``OWNED[r]`` (fp32 and bf16 parameters), sets them to its values and
+    zeros the others', then the layer-wise gather; returns every parameter."""
+    from loco_megatron.optimizer.layer_wise import _gather_whole
+    from loco_megatron.platform import gloo_ragged_all_gather
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        params = [[torch.zeros(shape, dtype=dtype) for shape, dtype in owned] for owned in OWNED]
+        for i, p in enumerate(params[rank]):  # (thirds: fp32 values that bf16 cannot hold)
+            p.copy_((torch.arange(p.numel()).view(p.shape) + 1 + 10 * i).to(torch.float64) / 3)
+        with gloo_ragged_all_gather():
+            _gather_whole(params, dist.group.WORLD)
+        queue.put((rank, params))
+        collected.wait(120)
+    finally:
+        dist.destroy_process_group()
+
+
+OWNED = [[((3, 2), torch.bfloat16), ((5,), torch.float32)],
+         [((4,), torch.bfloat16), ((2, 3), torch.float32), ((7,), torch.float32)],
+         []]
+"""The parameters each of 3 ranks updates (the last none: a rank dealt nothing). A bf16 one
+first: gathered at the first parameter's dtype, the fp32 ones would arrive rounded."""
+
+
+def test_the_layer_wise_gather_sends_each_dtype_at_its_own():
+    """Guards against the layer-wise all-gather of the updated parameters sending every
+    parameter at one dtype, as megatron-core's did (the dtype of the first parameter dealt:
+    bf16 matrices travelled as fp32, twice their bytes, or fp32 norms reached the other
+    ranks rounded to bf16), and against a rank dealt nothing breaking the gather: on 3 gloo
+    ranks, owners of fp32 and bf16 parameters side by side, every rank ends with every
+    parameter bit for bit as its owner set it, at its own dtype."""
+    got = _spawn(_gather_worker, 3)
+    for owner, owned in enumerate(OWNED):
+        for i, (shape, dtype) in enumerate(owned):
+            expected = ((torch.arange(torch.Size(shape).numel()).view(shape) + 1 + 10 * i).to(torch.float64) / 3).to(dtype)
+            for rank in range(3):
+                tensor = got[rank][owner][i]
+                assert tensor.dtype == dtype and torch.equal(tensor, expected), (rank, owner, i, tensor, expected)
+
+
 def test_scales_are_megatrons():
     """Guards against a scale mode computing another factor than megatron-core's
     (emerging-optimizers' get_muon_scale_factor) for a tall and a wide matrix."""

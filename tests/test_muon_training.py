@@ -107,20 +107,21 @@ def test_dp_2_and_4_track_one_rank(runs):
         assert worst < TRACK, (tag, worst)
 
 
-def test_mixed_dtypes_gather_each_at_its_own(runs):
-    """Guards against the layer-wise all-gather sending or rounding parameters at another
-    dtype: megatron-core's gathers every parameter in the dtype of the first one dealt (an
-    fp32 norm here: the bf16 matrices travel as fp32, twice their bytes; were it a bf16 one,
-    the fp32 norms would reach the other rank rounded). Under --bf16 both ranks end with the
-    same dense weights, bit for bit, and each step's comm/param_bytes_sent is those
-    parameters' own bytes (bf16 2, fp32 4 per element; the experts, EP 2, are each rank's
-    own and gather nothing): the matrix (test_matrix.py) checks that count against what
-    reached the collective."""
+def test_bf16_parameters_gather_at_their_own_bytes(runs):
+    """Guards against the layer-wise all-gather sending parameters at another dtype than
+    their own (megatron-core's gathers every one in the dtype of the first one dealt: bf16
+    matrices as fp32, twice their bytes) or leaving the ranks apart: under --bf16 (every
+    dense parameter bf16, the norms too, as Megatron-LM's Float16Module builds them) both
+    ranks end with the same dense weights, bit for bit, and each step's
+    comm/param_bytes_sent is those parameters' own bytes (2 per element; the experts, EP 2,
+    are each rank's own and gather nothing): the matrix (test_matrix.py) checks that count
+    against what reached the collective. Mixed fp32 and bf16 parameters in one gather:
+    test_muon.py."""
     a, b = (d["params"] for d in runs["moe"])
     dense = [n for n in a if ".experts." not in n]
     assert all(torch.equal(a[n], b[n]) for n in dense), [n for n in dense if not torch.equal(a[n], b[n])]
     dtypes = runs["moe"][0]["dtypes"]
-    assert {dtypes[n] for n in dense} == {"torch.bfloat16", "torch.float32"}
+    assert {dtypes[n] for n in dense} == {"torch.bfloat16"}
     own = sum(a[n].numel() * (2 if dtypes[n] == "torch.bfloat16" else 4) for n in dense)
     logged = [m["comm/param_bytes_sent"] for m in runs["moe_metrics"] if "comm/param_bytes_sent" in m]
     assert logged and all(x == own for x in logged), (own, logged)

@@ -2,7 +2,6 @@
 on 3 real gloo ranks against plain torch collectives."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from loco_megatron.loco.param_delta import DECODE_CHUNK, AgreedShard, DeltaLayou
 from loco_megatron.loco.param_gather import ParamGatherWork, compressed_param_all_gather
 from loco_megatron.metrics.comm import WallClock
 from loco_megatron.loco.quantize import QuantOptions, dequantize_blockwise, quantize_blockwise
+from conftest import free_port
 
 TWO_BIT = QuantOptions("uniform", "mse", "hadamard", "nearest", seed=5)  # the 2-bit defaults
 
@@ -66,11 +66,6 @@ def test_aliased_shard_swaps_main_in_for_the_step_and_back_on_skip():
     assert torch.equal(restored.spare, s.spare)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _options(bits: int) -> QuantOptions:
     return TWO_BIT if bits == 2 else QuantOptions()
@@ -118,7 +113,7 @@ def test_gather_gives_identical_agreed_params_on_every_rank(bits, aliased, nan_a
     domain) misses the reference and the error bound."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, bits, aliased, nan_at, queue, collected))
              for r in range(WORLD)]
     for p in procs:

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from loco_megatron.platform import cpu_compat, detect_platform, megatron_fixes
+from conftest import free_port
 
 
 def test_cuda_requests_run_on_cpu_and_are_restored():
@@ -90,13 +91,10 @@ def test_host_staged_collectives_equal_the_direct_ones():
     other values than the collective it stands in for, or an async caller getting a handle
     that is not complete: on 2 gloo ranks, each staged collective (forced onto host copies,
     as a CUDA tensor would be) writes exactly what the direct call writes."""
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_staging_worker, args=(2, port), nprocs=2, start_method="spawn")
 
 

@@ -3,7 +3,6 @@ and on 2 gloo ranks; the 2-rank training and resume run is in test_training.py."
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from loco_megatron.config.loco import LoCoConfig
 from loco_megatron.loco import LoCoCompressor, quantize as qz, rotation as rot
 from loco_helpers import decompress_sum, resolve_kernels
 from loco_megatron.loco.collectives import ShardLayout, compressed_reduce_scatter
+from conftest import free_port
 
 ALL = qz.QuantOptions("uniform", "mse", "hadamard", "stochastic", seed=11)
 QUANT_ROT = [qz.QuantOptions(q, "absmax", r) for q in qz.QUANTIZERS for r in qz.ROTATIONS]
@@ -306,11 +306,6 @@ def test_state_and_option_checks():
     assert opts(LoCoConfig(loco_bits=2, loco_scale="absmax")) == ("uniform", "absmax", "hadamard", "nearest")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank, port, queue, collected):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -339,7 +334,7 @@ def test_two_ranks_share_signs_and_reduce_exactly():
     rank's reduced shard equals the sum of both ranks' rows dequantised independently."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue, collected)) for r in range(2)]
     for p in procs:
         p.start()

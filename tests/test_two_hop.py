@@ -1,24 +1,18 @@
 """Two-hop LoCo: 2 "nodes" x 2 ranks of real gloo processes, and training with it."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import TINY, torchrun, train_losses
+from conftest import TINY, free_port, torchrun, train_losses
 from loco_megatron.loco import LoCoCompressor
 from loco_megatron.loco.two_hop import TwoHopLayout, build_node_groups, two_hop_reduce_scatter
 
 WORLD, PER_NODE, SHARD, STEPS = 4, 2, 1000, 12
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, intra_bits, average, async_op, queue, collected):
@@ -58,7 +52,7 @@ def _spawn(worker, *args, timeout: int = 180) -> list:
     queued results (one per rank, in arrival order)."""
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, port, *args, queue, collected)) for r in range(WORLD)]
     for p in procs:
         p.start()
