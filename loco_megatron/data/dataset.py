@@ -3,7 +3,10 @@ and the resumable micro-batch iterator that feeds the pipeline schedules."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import pathlib
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -70,10 +73,31 @@ def build_datasets(config: Config, sources: DataSources, cache_dir: str):
         for prefix in blends.prefixes:
             _check_split_nonempty(config.data.split, prefix)
     # Every rank reads its own samples; megatron's builder lets global rank 0 write the
-    # shuffle/sample index caches first while the others wait, then read them.
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, sizes, lambda: True, ds_config).build()
+    # shuffle/sample index caches first (numpy.save straight to their names) while the
+    # others wait at its barrier, then read them.
+    with cache_lock(cache_dir):
+        train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, ds_config).build()
     return train, valid
+
+
+@contextlib.contextmanager
+def cache_lock(cache_dir: str) -> Iterator[None]:
+    """On global rank 0 (or without torch.distributed), an flock on ``cache_dir`` while
+    megatron's builder writes or reads its index caches: jobs that share the folder (elastic
+    DiLoCo's replica jobs, each with a rank 0 of its own) otherwise read a file another
+    job's rank 0 is still writing ("mmap length is greater than file size"). Under the lock
+    a rank 0 finds each cache file whole or absent (then writes it whole); its job's other
+    ranks read only after its barrier. The other ranks take no lock: the builder's barriers
+    need them while their rank 0 holds it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    pathlib.Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    with open(pathlib.Path(cache_dir) / ".megatron_index.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (dropped by the kernel if this process dies)
+        yield
 
 
 def _check_split_nonempty(split: str, prefix: str) -> None:
