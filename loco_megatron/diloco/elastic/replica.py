@@ -203,11 +203,16 @@ class ReplicaStep(OuterStep):
                 else:
                     self.momentum[key].copy_(momentum[key])
 
+    def _holds_errors(self) -> bool:
+        """Whether the channels may hold outer error buffers worth announcing when they are
+        reset: a compressed exchange (its compressor) after at least one outer step."""
+        return self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+
     def _restart_outer(self, outer_steps: int) -> None:
         """After the agreed state changed hands (a heal, an agreement): nothing in flight, error
         buffers at zero, the local parameters the agreed ones, every fragment's interval anew."""
         dropped = len(self.pending)
-        had_errors = self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+        had_errors = self._holds_errors()
         self.pending, self._snapshots, self._open = {}, {}, None
         for _, channel, _, _ in self.channels.values():
             channel.reset()

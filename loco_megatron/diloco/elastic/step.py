@@ -220,7 +220,7 @@ class ElasticOuterStep(ReplicaStep):
         are per replica), and this replica's row (its place among them)."""
         contributors = tuple(p.replica for p in cycle.participants)
         if contributors != self._laid_for:
-            had_errors = self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
+            had_errors = self._holds_errors()
             for key, (views, _, sub, frag) in list(self.channels.items()):
                 self.channels[key] = (views, self._relay(key), sub, frag)
             if had_errors:  # (fresh channels: the compressed outer gradients' error buffers at zero)
