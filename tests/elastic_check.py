@@ -12,13 +12,17 @@ rank SIGKILLs itself right after launching its first outer exchange at iteration
 collective of ``PHASE`` ("fingerprint", "agreement", "outer"; "heal": taking a healed state)
 in the cycle at iteration ``T`` fails once on this replica, ``raise`` (never issued: the
 peers wait on it) or ``lost`` (it completes, then fails here only)
-(:attr:`~loco_megatron.diloco.elastic.coordinator.ElasticCoordinator.faults`); each
-injection appends ``{"at": "fault", ...}`` to the dump. ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
+(:attr:`~loco_megatron.diloco.elastic.coordinator.ElasticCoordinator.faults`), or ``stop``
+(the rank touches ``replica<R>_rank<K>.stopped.<T>`` in the dump folder and SIGSTOPs
+itself there, inside the cycle: a test continues it); each injection appends
+``{"at": "fault", ...}`` to the dump. ``LOCO_TEST_HOLD_AT=T1,T2,..`` with
 ``LOCO_TEST_RELEASE=PATH``: after step ``Ti`` the rank waits until ``PATH.Ti`` exists (a
 test holds the live replicas before a sync point until a (re)started one is about to ask;
 while held the rank touches ``replica<R>_rank<K>.held.<Ti>`` in the dump folder).
 Before its join every rank touches ``replica<R>_rank<K>.asking.<pid>`` in the dump folder,
 and before each sync point's cycle ``replica<R>_rank<K>.cycle.<T>``.
+``LOCO_TEST_STOP_AT=T``: after step ``T`` the rank touches ``replica<R>_rank<K>.stopped.<T>``
+and SIGSTOPs itself (a stalled node, at a known step: a test continues it).
 ``LOCO_TEST_DELAY=K:join=S,K:T=S,...``: rank ``K`` sleeps ``S`` seconds before its join, or
 before the cycle at iteration ``T`` (a rank that arrives late: the others wait on it).
 ``LOCO_TEST_PERTURB=1``: before its join the replica's agreed parameters move by 1e-3 on
@@ -72,6 +76,7 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
     join, after_step, finish = outer.join, outer.after_step, outer.finish
 
     hold_at = {int(x) for x in os.environ.get("LOCO_TEST_HOLD_AT", "").split(",") if x}
+    stop_at = {int(x) for x in os.environ.get("LOCO_TEST_STOP_AT", "").split(",") if x}
 
     delays = {}
     for item in filter(None, os.environ.get("LOCO_TEST_DELAY", "").split(",")):
@@ -97,6 +102,9 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         after_step(t)
         if outer.schedule.starts(t) or outer.schedule.applies(t):
             dump("cycle", t)
+        if t in stop_at:
+            out.with_name(f"{out.stem}.stopped.{t}").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
         if t in hold_at:
             out.with_name(f"{out.stem}.held.{t}").touch()
             release, deadline = pathlib.Path(f"{os.environ['LOCO_TEST_RELEASE']}.{t}"), time.monotonic() + 900
@@ -121,6 +129,10 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
             with out.open("a") as f:
                 f.write(json.dumps({"at": "fault", "phase": phase, "mode": mode,
                                     "iteration": outer._progress().get("iteration", 0)}) + "\n")
+        if mode == "stop":  # (stalled inside the cycle: its heartbeats stop with it)
+            out.with_name(f"{out.stem}.stopped.{outer._progress().get('iteration', 0)}").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return None
         return mode
 
     if faults:

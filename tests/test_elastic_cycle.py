@@ -20,7 +20,7 @@ from conftest import free_port, program, spawn_ranks
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash, tensor_sums
 from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Fingerprint,
-                                                combine, live_mask, missing, plan, progress)
+                                                combine, live_mask, missing, plan, progress, settings_parts)
 from loco_megatron.diloco.elastic.lighthouse import check_lighthouse, parse_status, read_status
 from loco_megatron.diloco.elastic.split import Member, Share, next_split, split_id
 
@@ -36,7 +36,8 @@ def test_a_fingerprint_travels_as_one_int64_row():
     """Guards against a field lost or reordered between the gather's tensor and the plan (a
     replica would read another's share, speed or state)."""
     p = fp(3, healed=True, cycles=4, split=123, offset=4, samples=8, trained=40, speed=2500, weight=2000, lanes=2,
-           ready=True, world=2, live=live_mask([0, 3]), recheck=True, state=(1 << 62) + 5)
+           ready=True, world=2, live=live_mask([0, 3]), recheck=True, state=(1 << 62) + 5, synced=True,
+           parts=(7, -3, 1 << 61))
     row = p.tensor()
     assert row.dtype == torch.int64 and row.shape == (Fingerprint.WIDTH,)
     assert Fingerprint.of(row) == p
@@ -98,6 +99,20 @@ def test_a_joiner_whose_share_cannot_split_the_batch_is_refused_alone():
                              "samples) and the run's (4) do not split --global-batch-size 12 into whole shares for 2 "
                              "replicas")
     assert plan([live, dataclasses.replace(joiner, granule=2)], 0, 2, 1, "weight", GBS).action == OUTER
+
+
+def test_a_refusal_names_the_setting_that_differs():
+    """Guards against a joiner refused as "model shape or outer settings differ" without the
+    flag that differs (issue 55: another --diloco-inner-steps read as a mystery): each shared
+    setting travels as its own hash, and the refusal names the one(s) that differ."""
+    names, parts = settings_parts([("--diloco-inner-steps", 32), ("--seq-length", 64), ("--seed", 1)])
+    _, other = settings_parts([("--diloco-inner-steps", 16), ("--seq-length", 64), ("--seed", 1)])
+    ps = [fp(0, parts=parts, cycles=3), fp(1, config=8, parts=other, joining=True)]
+    cycle = plan(ps, 0, 2, 1, "fixed", GBS, names=tuple(names))
+    assert cycle.action == REFUSE and cycle.refused_ranks == {1}
+    assert "--diloco-replica-id 1: --diloco-inner-steps differs from the run's (replica 0's" in cycle.refused
+    many, _ = settings_parts([(f"--s{i}", i) for i in range(40)])
+    assert len(many) == 24 and many[-1] == "the other shared settings"
 
 
 def test_a_joiner_with_another_inner_optimizer_is_refused_alone():

@@ -54,11 +54,14 @@ class OuterChannel:
                  error_feedback: bool = True, beta: float = 0.8, kernels: str = "torch",
                  device: Optional[torch.device] = None, name: str = "outer", ops: CollectiveOps = TORCH_OPS,
                  decompress: Optional[Callable] = None, workspace: Optional[Workspace] = None, clock=None,
-                 exact: bool = False, gain_correction: bool = False, stream_rank: Optional[int] = None):
+                 exact: bool = False, gain_correction: bool = False, stream_rank: Optional[int] = None,
+                 world: Optional[int] = None):
         if exact and bits:
             raise ValueError("exact (gather and sum in rank order) is an fp32 exchange: bits must be 0")
         self.numel, self.group, self.bits, self.name, self.exact = numel, group, bits, name, exact
-        self.world = ops.get_world_size(group)
+        self.world = ops.get_world_size(group) if world is None else world
+        """Rows of the exchange (``world``: laid for that many ranks whatever the group's
+        size now; elastic DiLoCo lays its channels for the replicas of a cycle)."""
         self.rank = ops.get_rank(group)
         self.mean_over = self.world
         """The deltas a mean is over: every rank of the group, unless some send zeros that

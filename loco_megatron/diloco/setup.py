@@ -66,11 +66,11 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     workspace = Workspace()
 
     def channel_maker(numel: int, key: str, device, group, ops, stream_rank, exact: bool = False):
-        def make() -> OuterChannel:
+        def make(world: Optional[int] = None) -> OuterChannel:
             return OuterChannel(numel, group, 0 if exact else d.diloco_outer_bits, lc.loco_block_size,
                                 options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, device,
                                 name=key, ops=ops, workspace=workspace, clock=stats.clock, exact=exact,
-                                gain_correction=d.diloco_outer_gain_correction, stream_rank=stream_rank)
+                                gain_correction=d.diloco_outer_gain_correction, stream_rank=stream_rank, world=world)
         return make
 
     if coordinator is None:

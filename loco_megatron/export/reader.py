@@ -159,6 +159,11 @@ def model_source(path: pathlib.Path, replica: Optional[int] = None) -> tuple[str
         return "diloco.final.", "the agreed model (after the run's final outer step)"
     if "agreed" in prefixes:
         outer = dist_checkpointing.load_common_state_dict(str(path)).get("diloco") or {}
+        ended = (outer.get("elastic") or {}).get("ended")
+        if ended:  # (a replica cut off while the run ended: its agreed parameters may not be the run's)
+            raise ConfigError(f"--load: {path} is one replica's own training, not the run's model ({ended}); export "
+                              f"the checkpoint of a replica that took part in the run's final outer step, or --replica "
+                              f"R for this replica's own model")
         if int(outer.get("outer_steps", 1)) == 0:  # (the agreed parameters are still the initial weights)
             raise ConfigError(f"--load: {path} holds no trained agreed model: its run committed no outer step yet "
                               f"(the agreed parameters are the initial weights); --replica R reads replica R's own model")

@@ -49,18 +49,20 @@ def end_of_run(run, window: dict, totals: RunTotals, last: dict, stop: StopReque
     if layout.is_logging_rank:
         print(end_summary(summary, ckpt.save_root, layout.world_size), flush=True)
         if coordinator is not None:
+            # (the counts of this job and those of the replica since the run began, each named)
             print(f"  DiLoCo replica {config.diloco.diloco_replica_id}: took part in {coordinator.took_part} of the "
                   f"{coordinator.committed} outer steps committed while it was live ({run.outer.outer_steps} in the "
-                  f"run); {run.outer.inner_steps} inner "
-                  f"steps, {summary['summary/tokens']:,} tokens trained by this replica; "
-                  f"{summary['summary/diloco_outer_wait_s']:.1f} s at outer steps "
-                  f"({100 * summary['summary/diloco_outer_wait_share']:.1f}% of its wall time)", flush=True)
+                  f"run); this job: {run.outer.inner_steps} inner steps from iteration {totals.start_iteration}, "
+                  f"{summary['summary/tokens']:,} tokens, {summary['summary/diloco_outer_wait_s']:.1f} s at outer "
+                  f"steps ({100 * summary['summary/diloco_outer_wait_share']:.1f}% of its wall time)", flush=True)
         run.logger.summary(state.iteration, summary)
     if stop.orphaned:  # saved like any stop, but no launcher is left to end the job: fail it
         raise RunAborted(f"{stop.orphaned} at iteration {state.iteration}")
     unfinished = getattr(run.outer, "unfinished", "")
     if unfinished:  # elastic DiLoCo with no agreed model to end on: saved (this replica's training), not a result
         saved = f"; the checkpoint at iteration {state.iteration} keeps this replica's training" if ckpt.save_root else ""
+        if getattr(run.outer, "ended", False):  # (the run's model is the one its last quorum ended on)
+            raise RunAborted(f"{unfinished}{saved} (the export refuses it as the run's model)")
         raise RunAborted(f"{unfinished}{saved}; resume it with --load once the other replicas can take part")
     return last
 

@@ -198,8 +198,13 @@ def elastic_coordinator(config: Config, env: LaunchEnv, layout: ParallelLayout, 
 
     lanes = d.diloco_outer_ranks or 1  # (the default: one lane, which a job of any size hosts)
     placed = hosts(layout.world_size, lanes)
-    # (gloo: the cycle's decisions are small objects, whatever the job's own backend)
-    control = torch.distributed.new_group(backend="gloo")
+    # (gloo: the cycle's decisions are small objects, whatever the job's own backend). Its
+    # timeout covers the longest a lane host can be away between two of its collectives (a
+    # quorum, then a collective between replicas): the other ranks wait there meanwhile.
+    import datetime
+
+    away = d.diloco_quorum_timeout_s + 2 * d.diloco_exchange_timeout_s + 60
+    control = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=away))
     return ElasticCoordinator(d.diloco_lighthouse, d.diloco_replica_id, d.diloco_replicas,
                               layout.rank, placed.index(layout.rank) if layout.rank in placed else None, lanes,
                               env.store_at, control, device, d.diloco_quorum_timeout_s, d.diloco_exchange_timeout_s,

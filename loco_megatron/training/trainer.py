@@ -122,6 +122,8 @@ def _loop(run: Run) -> dict:
             # Between replicas the decision is made at their outer steps only (every step without).
             agreed = run.flags.after_step(state.iteration, run.flags.flags(stop.wish(), run.guard.abort is not None))
             reason = decide(agreed, stop, run.guard.abort, layout.replicas) if agreed is not None else None
+            if reason is None and getattr(run.outer, "ended", False):  # (elastic: decided alike on every rank)
+                reason = "the run reached --train-iters without this replica"
             if not (run.outer is not None and (reason or state.iteration == t.train_iters)):
                 last = eval_and_save(run, window, totals, last)  # (DiLoCo's last step: after its final outer step)
             if reason:

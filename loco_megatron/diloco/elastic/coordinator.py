@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import re
@@ -34,8 +35,9 @@ import torch.distributed as dist
 
 from loco_megatron.config import brief
 from loco_megatron.diloco.elastic.cycle import REFUSE, Cycle, Fingerprint, combine, progress
-from loco_megatron.diloco.elastic.lighthouse import describe_outage
+from loco_megatron.diloco.elastic.lighthouse import describe_outage, ended_without, read_status
 from loco_megatron.diloco.elastic.ops import fresh_groups, torchft_ops, vote
+from loco_megatron.diloco.elastic.waits import WaitNotice
 from loco_megatron.failures import RunAborted
 
 TIMEOUT, ERROR, OK, OFF = "timeout", "error", "ok", "off"
@@ -49,8 +51,9 @@ class ElasticCoordinator:
     MASTER_ADDR/PORT: the address other replicas reach it by); ``device``: where the group's
     collectives run; ``log``: one line (rank 0 of the job prints); ``torchft_log``: the log
     filter of torchft's Rust side (RUST_LOG syntax, :attr:`loco_megatron.cli.LaunchEnv.torchft_log`).
-    ``heal_state()`` (set by the step): what a live replica sends one that heals (tensors
-    served by reference, unchanged until the cycle closes). ``faults(phase)`` (tests only):
+    ``heal_state()`` (set by the step): what a live replica sends one that heals, a
+    ``{"meta": builtins, ...tensors}`` dict (:meth:`open`; tensors served by reference,
+    unchanged until the cycle closes). ``faults(phase)`` (tests only):
     an injected failure of the collective of ``phase``, "raise" or "lost" (:mod:`.ops`)."""
 
     def __init__(self, lighthouse: str, replica: int, expected: int, rank: int, lane: Optional[int], lanes: int,
@@ -65,7 +68,16 @@ class ElasticCoordinator:
         self.log, self.torchft_log = log, torchft_log
         self.manager = self.pg = None
         self.phase = ""
-        """The collective the cycle is at ("fingerprint", "agreement", "outer"; for faults)."""
+        """What the cycle is at ("quorum", "fingerprint", "go", "agreement", "outer",
+        "commit"): the collective :attr:`faults` inject into, what :attr:`waiting` names."""
+        self.iteration = 0
+        """The iteration of the cycle open (or being asked for)."""
+        self.members: list[int] = []
+        """The replicas of the cycle open (until its plan: those of the last cycle)."""
+        self.waiting = WaitNotice(log, lambda: (self.phase, self.iteration, self.members),
+                                  lambda: read_status(lighthouse, timeout_s=5.0, tries=1)) \
+            if rank == 0 else contextlib.nullcontext()
+        """``with`` around what waits on other replicas: said while it lasts (rank 0 of the job)."""
         self.faults: Optional[Callable[[str], Optional[str]]] = None
         self.ops = torchft_ops(self)
         """The collectives of the outer exchange, on the torchft group of the open cycle."""
@@ -132,20 +144,29 @@ class ElasticCoordinator:
 
     # -- one cycle -------------------------------------------------------------------------
     def open(self, iteration: int, outer_steps: int, fingerprint: Callable[[Optional[dict]], Fingerprint],
-             plan: Callable[[list[Fingerprint], int, Optional[dict]], Cycle]) -> Optional[Cycle]:
+             plan: Callable[[list[Fingerprint], int, Optional[dict]], Cycle],
+             accept: Callable[[Cycle], str] = lambda cycle: "") -> Optional[Cycle]:
         """Steps 1-4 of the module docstring, collective over the quorum and this job.
         ``fingerprint(healed)``: this lane's fingerprint (``healed``: the state it took in
-        the quorum, or None); ``plan(participants, rank, healed)``: the lane's cycle. Returns
-        the replica's cycle (the same on every rank; ``healed`` is the lane's own state on a
-        host, the progress part elsewhere), or None when it cannot go on (broken somewhere:
-        :meth:`close` with False follows). RunAborted (every rank alike) when no quorum
-        formed within --diloco-quorum-timeout-s."""
+        the quorum, or None); ``plan(participants, rank, healed)``: the lane's cycle;
+        ``accept(cycle)``: '' when this rank can apply the cycle (its healed state), else
+        why not (the go vote then fails on every rank). Returns the replica's cycle (the
+        same on every rank), or None when it cannot go on (broken somewhere: :meth:`close`
+        with False follows). RunAborted (every rank alike) when no quorum formed within
+        --diloco-quorum-timeout-s.
+
+        A heal's state (:attr:`heal_state`'s dict) is ``{"meta": builtins, ...tensors}``: its
+        ``meta`` reaches every rank of the job (through the control group's gather, from
+        lane 0's host, and only when every host took the same), its tensors stay on the
+        lane host that received them; ``cycle.healed`` is the whole dict on a host and
+        ``{"meta": meta}`` elsewhere, so every rank knows every field of it."""
         status, lane_cycle = (OFF, ""), None
+        self.iteration, self.members, self.phase = iteration, list(self.live), "quorum"
         if self.lane is not None:
             status, lane_cycle = self._open_lane(iteration, outer_steps, fingerprint, plan)
         healed = lane_cycle.healed if lane_cycle is not None else None
         shared = (status, None if lane_cycle is None else dataclasses.replace(lane_cycle, healed=None),
-                  None if healed is None else {k: v for k, v in healed.items() if not isinstance(v, dict)})
+                  None if healed is None else healed["meta"])
         table: list = [None] * dist.get_world_size(self.control)
         dist.all_gather_object(table, shared, group=self.control)
         self.opened += 1
@@ -159,16 +180,20 @@ class ElasticCoordinator:
         broken = [row[0][1] for row in hosts if row[0][0] != OK]
         cycle = None if broken else combine([row[1] for row in hosts])
         if cycle is not None:
-            progress_part = table[0][2]  # (lane 0's host is rank 0)
-            if any((row[2] is None) != (progress_part is None) for row in hosts):
-                cycle = None  # some lanes healed and others did not: nothing of it may be kept
-            else:
-                cycle.healed = healed if self.lane is not None else progress_part
+            meta = table[0][2]  # (lane 0's host is rank 0)
+            if any(row[2] != meta for row in hosts):
+                cycle = None  # some lanes healed and others did not, or from other states: nothing of it may be kept
+            elif meta is not None:
+                cycle.healed = healed if self.lane is not None else {"meta": meta}
         self.reason = broken[0] if broken else ("the lanes disagree" if cycle is None else "")
         if cycle is not None and cycle.action == REFUSE:
             return cycle  # (every participant knows: no vote; the refused one ends, the others discard)
-        go = self._agree(cycle is not None)  # the go vote
-        if not go and cycle is not None:
+        if cycle is not None:
+            self.reason = accept(cycle)  # (the same healed state on every rank: mostly the same verdict)
+            self.members = cycle.replicas
+        self.phase = "go"
+        go = self._agree(cycle is not None and not self.reason)  # the go vote
+        if not go and cycle is not None and not self.reason:
             self.reason = "another replica could not go on"
         return cycle if go else None
 
@@ -248,6 +273,7 @@ class ElasticCoordinator:
                 ok = bool(self.manager.should_commit())
             except Exception:  # noqa: BLE001 - a lane that cannot say: not committed
                 ok = False
+        self.phase = "commit"
         if refused:
             flag = torch.tensor([int(ok)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
@@ -281,6 +307,12 @@ class ElasticCoordinator:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def run_ended(self, train_iters: int) -> str:
+        """Rank 0's :func:`~.lighthouse.ended_without` (it reads the lighthouse's status page),
+        for every rank of the job: the line to end with when the run reached
+        ``train_iters`` in a quorum this replica was not in, else ''."""
+        return self.decide(ended_without(self.lighthouse, self.replica, train_iters) if self.rank == 0 else "")
 
     @property
     def live_replicas(self) -> int:

@@ -34,6 +34,19 @@ def config_hash(parts: list) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
+PARTS = 24
+"""Slots of :attr:`Fingerprint.parts`: one hash per setting every replica must share, so a
+refusal names the setting that differs (more settings than slots: the last holds the rest)."""
+
+
+def settings_parts(named: list[tuple[str, object]]) -> tuple[list[str], tuple[int, ...]]:
+    """``(names, hashes)`` of the settings every replica must share (``named``: ``(what to
+    call it in a refusal, its value)``), at most :data:`PARTS` of each."""
+    if len(named) > PARTS:
+        named = [*named[:PARTS - 1], ("the other shared settings", named[PARTS - 1:])]
+    return [n for n, _ in named], tuple(config_hash([n, v]) for n, v in named)
+
+
 INNER_OPTIMIZERS = ("adam", "muon")
 """--optimizer's choices, in the order :attr:`Fingerprint.inner` numbers them."""
 
@@ -86,22 +99,33 @@ class Fingerprint:
     inner: int = 0
     """Its --optimizer, as an index into :data:`INNER_OPTIMIZERS` (every replica must train
     with the same: a refusal names it)."""
+    synced: bool = False
+    """The run's final cycle: the outer step due at this iteration committed here, so its
+    fragments' local parameters are the agreed ones (with alpha 0) and need no final step."""
+
+    parts: tuple = ()
+    """:func:`settings_parts`' hashes: per shared setting, so a refusal names the one that differs."""
 
     FIELDS = ("replica", "config", "iteration", "joining", "healed", "cycles", "outer_steps", "state", "split",
               "offset", "samples", "trained", "speed", "weight", "lanes", "granule", "ready", "world", "live",
-              "recheck", "inner")
-    WIDTH = len(FIELDS)
+              "recheck", "inner", "synced")
+    WIDTH = len(FIELDS) + PARTS
     """int64 entries of :meth:`tensor`."""
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([int(getattr(self, f)) for f in self.FIELDS], dtype=torch.int64)
+        parts = list(self.parts) + [0] * (PARTS - len(self.parts))
+        return torch.tensor([int(getattr(self, f)) for f in self.FIELDS] + parts, dtype=torch.int64)
 
     @classmethod
     def of(cls, row: torch.Tensor) -> "Fingerprint":
-        values = dict(zip(cls.FIELDS, (int(x) for x in row.tolist())))
-        for f in ("joining", "healed", "ready", "recheck"):
+        numbers = [int(x) for x in row.tolist()]
+        values = dict(zip(cls.FIELDS, numbers))
+        for f in ("joining", "healed", "ready", "recheck", "synced"):
             values[f] = bool(values[f])
-        return cls(**values)
+        parts = numbers[len(cls.FIELDS):]
+        while parts and not parts[-1]:
+            parts.pop()
+        return cls(**values, parts=tuple(parts))
 
     def member(self) -> Member:
         """What the batch split needs of this participant."""
@@ -143,8 +167,12 @@ class Cycle:
     refused_ranks: set = dataclasses.field(default_factory=set)
     """The participating ranks of the participants refused."""
     healed: Optional[dict] = None
-    """The state this lane took from a live one (:meth:`~.step.ElasticOuterStep.heal_state`'s),
-    set on the lane hosts only."""
+    """The state this replica took from a live one (:meth:`~.coordinator.ElasticCoordinator.open`:
+    the whole record on a lane host, its builtins elsewhere)."""
+    synced: bool = False
+    """The final cycle: whether the fragments synced at this iteration take no final step,
+    for every participant alike (the most advanced contributor's :attr:`Fingerprint.synced`:
+    one that missed the last commit heals to it)."""
 
     @property
     def contributors(self) -> int:
@@ -170,12 +198,13 @@ def advanced(p: Fingerprint, index: int = 0) -> tuple:
     return p.iteration, p.outer_steps, not p.joining, p.cycles, -p.replica, -index
 
 
-def refusal(ps: list[Fingerprint], global_batch: int) -> tuple[str, set[int]]:
+def refusal(ps: list[Fingerprint], global_batch: int, names: tuple = ()) -> tuple[str, set[int]]:
     """(the line, the participating ranks refused) for participants that do not fit the
-    most advanced one (:func:`advanced`): another fingerprint hash, inner optimizer or lane count, a replica
-    id a more advanced participant already has, or a smallest share (micro batch x DP)
-    that leaves no split of the global batch in whole shares with the others'. ('', empty)
-    when all fit. Every rank computes the same from the same fingerprints."""
+    most advanced one (:func:`advanced`): another fingerprint hash (the line names the first
+    setting of ``names`` whose part differs), inner optimizer or lane count, a replica id a
+    more advanced participant already has, or a smallest share (micro batch x DP) that
+    leaves no split of the global batch in whole shares with the others'. ('', empty) when
+    all fit. Every rank computes the same from the same fingerprints."""
     ref = max(range(len(ps)), key=lambda i: advanced(ps[i], i))
     refused = {i for i, p in enumerate(ps) if p.config != ps[ref].config or p.lanes != ps[ref].lanes
                or p.inner != ps[ref].inner}
@@ -189,8 +218,13 @@ def refusal(ps: list[Fingerprint], global_batch: int) -> tuple[str, set[int]]:
             return (f"--diloco-replica-id {bad.replica}: --diloco-outer-ranks {bad.lanes} differs from the run's "
                     f"{ps[ref].lanes} (replica {ps[ref].replica}'s; every replica must exchange over as many "
                     f"ranks)", refused)
+        differ = [names[i] for i, (a, b) in enumerate(zip(bad.parts, ps[ref].parts)) if a != b and i < len(names)]
+        if differ and len(bad.parts) == len(ps[ref].parts):
+            verb = "differs" if len(differ) == 1 else "differ"
+            return (f"--diloco-replica-id {bad.replica}: {' and '.join(differ[:3])} {verb} from the run's "
+                    f"(replica {ps[ref].replica}'s; every replica must use the same)", refused)
         return (f"--diloco-replica-id {bad.replica}: its model shape or outer settings differ from the run's "
-                f"(replica {ps[ref].replica}'s)", refused)
+                f"(replica {ps[ref].replica}'s; another version of this program?)", refused)
     ids: dict[int, list[int]] = {}
     for i, p in enumerate(ps):
         ids.setdefault(p.replica, []).append(i)
@@ -215,14 +249,14 @@ def refusal(ps: list[Fingerprint], global_batch: int) -> tuple[str, set[int]]:
 
 
 def plan(participants: list[Fingerprint], rank: int, expected: int, min_replicas: int, mode: str,
-         global_batch: int, healed: Optional[dict] = None) -> Cycle:
+         global_batch: int, healed: Optional[dict] = None, names: tuple = ()) -> Cycle:
     """The cycle every participant runs, from the fingerprints of one lane (``rank``: this
     replica's place among them; ``expected``: --diloco-replicas; ``mode``:
-    --diloco-batch-split)."""
+    --diloco-batch-split; ``names``: what a refusal calls each of :attr:`Fingerprint.parts`)."""
     ps = participants
     iteration = max(p.iteration for p in ps)
     cycle = Cycle(len(ps), rank, ps, iteration, healed=healed)
-    cycle.refused, cycle.refused_ranks = refusal(ps, global_batch)
+    cycle.refused, cycle.refused_ranks = refusal(ps, global_batch, names)
     if cycle.refused:
         cycle.action = REFUSE
         return cycle
@@ -242,6 +276,8 @@ def plan(participants: list[Fingerprint], rank: int, expected: int, min_replicas
     elif exchanging:
         cycle.action = OUTER if cycle.contributors >= min_replicas else WITHHELD
     cycle.shares = batch_split.next_split(mode, [p.member() for p in ps], global_batch)
+    contributors = [i for i, p in enumerate(ps) if not p.healed] or list(range(len(ps)))
+    cycle.synced = ps[max(contributors, key=lambda i: advanced(ps[i], i))].synced
     return cycle
 
 

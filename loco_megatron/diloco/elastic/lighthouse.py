@@ -70,33 +70,45 @@ def parse_status(page: str) -> Optional[Status]:
     return Status(int(quorum.group(1)), html.unescape(nxt.group(1)).strip(), members, beats)
 
 
-def _fetch(url: str, timeout_s: float) -> str:
+def _silent(e: BaseException) -> bool:
+    """Whether ``e`` is a reply that timed out on a connection the listener accepted (urllib
+    wraps a failed connect in URLError, not the wait for the reply): a torchft lighthouse
+    answers its status page at once, so such a listener is not one."""
+    return isinstance(e, TimeoutError)
+
+
+def _fetch(url: str, timeout_s: float, tries: int = TRIES) -> str:
     """``url``'s text; a connection that fails is tried again (a lighthouse under load may
-    reset one without being down), :data:`TRIES` times in all."""
-    for attempt in range(TRIES):
+    reset one without being down), ``tries`` times in all; a listener that accepts and says
+    nothing within ``timeout_s`` is not asked again."""
+    for attempt in range(tries):
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as reply:
                 return reply.read(1 << 20).decode("utf-8", "replace")
         except urllib.error.HTTPError:
             raise
-        except (urllib.error.URLError, OSError):
-            if attempt + 1 == TRIES:
+        except (urllib.error.URLError, OSError) as e:
+            if attempt + 1 == tries or _silent(e):
                 raise
             time.sleep(1.0)
     raise AssertionError("unreachable")
 
 
-def read_status(address: str, timeout_s: float = 10.0) -> Status:
+def read_status(address: str, timeout_s: float = 10.0, tries: int = TRIES) -> Status:
     """The lighthouse's status; ConfigError (one line) when nothing answers at ``address``
     or what answers is not a torchft lighthouse."""
     url = address.rstrip("/") + "/status"
     try:
-        page = _fetch(url, timeout_s)
+        page = _fetch(url, timeout_s, tries)
     except urllib.error.HTTPError as e:
         raise ConfigError(f"--diloco-lighthouse: {address} answers, but not as a torchft lighthouse ({url}: HTTP "
                           f"{e.code}); start one with torchft_lighthouse --min_replicas 1 --bind [::]:PORT") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
+        if _silent(e):
+            raise ConfigError(f"--diloco-lighthouse: {address} accepts connections but does not answer as a torchft "
+                              f"lighthouse (no status page within {timeout_s:g} s); start one with torchft_lighthouse "
+                              f"--min_replicas 1 --bind [::]:PORT") from None
         raise ConfigError(f"--diloco-lighthouse: {address} cannot be reached ({reason}); start it with "
                           f"torchft_lighthouse --min_replicas 1 --bind [::]:PORT (docs/diloco.md)") from None
     status = parse_status(page)
@@ -117,6 +129,25 @@ def check_lighthouse(address: str, train_iters: int, timeout_s: float = 10.0) ->
                           f"quorum), and --train-iters is {train_iters}: nothing is left to train (a new run needs a "
                           f"new lighthouse; --train-iters above {last} extends this one)")
     return status
+
+
+def ended_without(address: str, replica: int, train_iters: int) -> str:
+    """The line a replica ends with when the run it belongs to reached ``train_iters`` in a
+    quorum it was not in (the lighthouse's previous quorum: its peers finished the run, or
+    took its final outer step, without it; this replica's training since is its own, not
+    the run's), '' otherwise or when the status page cannot be read now (an outage: the
+    cycle itself finds it)."""
+    try:
+        status = read_status(address, timeout_s=5.0, tries=1)
+    except ConfigError:
+        return ""
+    last = status.last_iteration()
+    names = sorted({m.replica_id.split(":")[0] for m in status.members})
+    if last is None or last < train_iters or f"replica{replica}" in names:
+        return ""
+    return (f"DiLoCo: the run reached --train-iters {train_iters} without replica {replica} (the lighthouse's last "
+            f"quorum: {', '.join(names)} at iteration {last}): replica {replica} ends here; its training since its "
+            f"last outer step is its own, not the run's model")
 
 
 def describe_outage(address: str) -> str:

@@ -15,6 +15,7 @@ import torch
 from loco_megatron.diloco.elastic.agreement import state_hash
 from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
 from loco_megatron.diloco.elastic.cycle import INNER_OPTIMIZERS, Cycle, Fingerprint, live_mask, plan
+from loco_megatron.diloco.elastic.record import ReplicaRecord
 from loco_megatron.diloco.elastic.split import Share
 from loco_megatron.diloco.outer import OuterStep
 
@@ -38,6 +39,17 @@ class SplitSettings:
 
 
 @dataclasses.dataclass
+class OpenCycle:
+    """A cycle whose outer exchanges are in flight (``tau > 0``): closed (committed or
+    discarded on every participant) at iteration :attr:`closes_at`, by program order."""
+
+    cycle: Cycle
+    keys: list[str]
+    """The channels exchanging."""
+    closes_at: int
+
+
+@dataclasses.dataclass
 class Rules:
     """What the plan needs besides the fingerprints."""
 
@@ -49,6 +61,8 @@ class Rules:
     """This job's ranks."""
     optimizer: str = "adam"
     """--optimizer (the inner optimizer: every replica's must be the same)."""
+    train_iters: int = 0
+    """--train-iters (0: never read the lighthouse for a run that ended without this replica)."""
 
 
 class ReplicaStep(OuterStep):
@@ -56,9 +70,12 @@ class ReplicaStep(OuterStep):
     arguments are that class's."""
 
     def __init__(self, *args, coordinator: ElasticCoordinator, replica: int, config_hash: int,
-                 relay: Callable[[str], object], split: SplitSettings, rules: Rules, **kwargs):
+                 relay: Callable[[str, int], object], split: SplitSettings, rules: Rules,
+                 settings: tuple = ((), ()), **kwargs):
         super().__init__(*args, **kwargs)
         self.coordinator, self.replica, self.config_hash = coordinator, replica, config_hash
+        self.settings = settings
+        """:func:`.cycle.settings_parts` of what every replica must share (names, hashes)."""
         self.rules = rules
         self._relay = relay
         self._progress: Callable[[], dict] = dict
@@ -88,10 +105,13 @@ class ReplicaStep(OuterStep):
         self._snapshots: dict[str, tuple] = {}
         """Channels exchanging in the open cycle: (the channel, its error buffers) as before
         it; a discarded cycle puts them back."""
-        self._open: Optional[Cycle] = None
-        """The cycle whose outer step is in flight (tau > 0), closed where it applies."""
+        self._open: Optional[OpenCycle] = None
+        """The cycle whose outer step is in flight, closed where it applies (tau later)."""
         self.unfinished = ""
         """After :meth:`finish`: non-empty when the run has no agreed final model (the line why)."""
+        self.ended = False
+        """The run reached --train-iters without this replica (:attr:`unfinished` says so): it
+        stops, and its checkpoint is its own training, never the run's model."""
         self._shares: Optional[dict] = None
         """The split :attr:`split_id` names (replica id -> Share), or None."""
         self._synced_at: dict[int, int] = {}
@@ -104,8 +124,12 @@ class ReplicaStep(OuterStep):
         ``iteration``); ``take_progress(state, kept)`` sets them (and the data position) from
         a live replica's :meth:`heal_state` (``kept``: this job trained before, so its inner
         optimizer state is its own); ``set_share(offset, samples)``: the samples of each
-        step's global batch this replica trains from the next step on."""
+        step's global batch this replica trains from the next step on (called at once with
+        the share the replica holds: a resumed one's comes from its checkpoint's record,
+        which the data iterator does not keep)."""
         self._progress, self._take_progress, self._set_share = progress, take_progress, set_share
+        if self.share is not None:
+            set_share(self.share.offset, self.share.samples)
 
     # -- what the replica trains and waits -----------------------------------------------------
     def count_step(self, seconds: float) -> None:
@@ -141,57 +165,80 @@ class ReplicaStep(OuterStep):
                            speed=round(self.speed * 1000), weight=round(self.split.weight * 1000),
                            lanes=self.coordinator.lanes, granule=self.split.granule, ready=ready,
                            world=self.rules.world, live=live_mask(self.coordinator.live), recheck=recheck,
-                           inner=INNER_OPTIMIZERS.index(self.rules.optimizer))
+                           inner=INNER_OPTIMIZERS.index(self.rules.optimizer), parts=tuple(self.settings[1]))
 
     def _lane_fingerprint(self, common: Fingerprint, healed: Optional[dict]) -> Fingerprint:
         """``common`` with this lane's state (after a heal: what it took, and the source's
         progress and split)."""
         if healed is None:
             return dataclasses.replace(common, state=state_hash(self.agreed, self.momentum, self.outer_steps))
+        record = ReplicaRecord.received(healed)  # (ValueError: the cycle fails on every rank)
         mine = {k: a.numel() for k, a in self.agreed.items()}
-        theirs = {k: a.numel() for k, a in healed["agreed"].items()}
+        theirs = {k: a.numel() for k, a in (record.agreed or {}).items()}
         if mine != theirs:  # (the config hashes match, so a bug, not bad input: the cycle fails everywhere)
             raise ValueError(f"the state healed from a live replica does not fit this one's lanes ({theirs} there, "
                              f"{mine} here)")
-        shares = healed.get("shares")
-        share = (shares or {}).get(self.replica, Share(0, 0)) if self.split.mode != "fixed" else self.share
+        share = (record.share_of(self.replica) or Share(0, 0)) if self.split.mode != "fixed" else self.share
         return dataclasses.replace(
-            common, iteration=int(healed["iteration"]), outer_steps=int(healed["outer_steps"]), healed=True,
-            state=state_hash(healed["agreed"], healed["momentum"] or {}, int(healed["outer_steps"])),
-            split=int(healed.get("split", 0)), offset=share.offset if share else 0,
-            samples=share.samples if share else 0, trained=0)
+            common, iteration=record.iteration, outer_steps=record.outer_steps, healed=True,
+            state=state_hash(record.agreed, record.momentum or {}, record.outer_steps),
+            split=record.split, offset=share.offset if share else 0, samples=share.samples if share else 0,
+            trained=0)
 
     def _plan(self, participants: list[Fingerprint], rank: int, healed: Optional[dict]) -> Cycle:
         return plan(participants, rank, self.rules.expected, self.rules.min_replicas, self.split.mode,
-                    self.split.global_batch, healed)
+                    self.split.global_batch, healed, tuple(self.settings[0]))
 
-    # -- what a live replica sends one that heals ---------------------------------------------
+    # -- the replica-state record (a heal, a resume) ------------------------------------------
+    def record(self, tensors: bool = False) -> ReplicaRecord:
+        """This replica's :class:`~.record.ReplicaRecord` (``tensors``: with the lane's agreed
+        parameters and momentum, by reference: they change only when a cycle closes)."""
+        assert self._open is None, "a record is taken between cycles"
+        return ReplicaRecord(self.replica, self._progress(), self.outer_steps, self.split_id, self._shares,
+                             self._laid_for, dict(self._synced_at),
+                             self.agreed if tensors else None, self.momentum if tensors and self.mu else None)
+
     def heal_state(self) -> dict:
-        """Per lane host (lane j of every replica holds the same elements, whatever the
-        layouts): the lane's agreed parameters and momentum (by reference: they change only
-        when the cycle closes), the outer step count, the iteration, the LR schedule's
-        position, the batch split and who sent it."""
-        return {**self._progress(), "outer_steps": self.outer_steps, "replica": self.replica,
-                "split": self.split_id, "shares": self._shares, "agreed": self.agreed,
-                "momentum": self.momentum if self.mu else None}
+        """What torchft sends the lane host of a replica that heals (lane j of every replica
+        holds the same elements, whatever the layouts): the whole record with this lane's
+        tensors."""
+        return self.record(tensors=True).transport()
+
+    def _accept(self, cycle: Cycle) -> str:
+        """'' when every rank of this replica can apply ``cycle``'s healed record, else the
+        line why not (the go vote fails on every rank: the replica heals at the next cycle
+        or ends, but never with some ranks on another split)."""
+        if cycle.healed is None:
+            return ""
+        try:
+            record = ReplicaRecord.received(cycle.healed)
+        except ValueError as e:
+            return f"the state healed from a live replica cannot be applied here ({e})"
+        share = record.share_of(self.replica) if self.split.mode != "fixed" else None
+        if share is not None and (share.samples % self.split.granule or share.samples <= 0
+                                  or not 0 <= share.offset <= self.split.global_batch - share.samples):
+            return (f"the healed batch share ({share.offset}, {share.samples}) is not whole shares of "
+                    f"{self.split.granule} samples in a global batch of {self.split.global_batch}")
+        return ""
 
     def _heal(self, cycle: Cycle) -> None:
-        """Take a live replica's state (a committed state of the run: taken at once): on lane
-        hosts the agreed parameters and momentum of the lane, on every rank the progress and
-        the split; then every rank's shards take the agreed parameters."""
-        state = cycle.healed
+        """Take a live replica's record (a committed state of the run: taken at once): on lane
+        hosts the agreed parameters and momentum of the lane, on every rank every other field
+        (the progress, the outer step count, the split and this replica's share); then every
+        rank's shards take the agreed parameters."""
+        record = ReplicaRecord.received(cycle.healed)  # (:meth:`_accept` passed on every rank)
         if self.coordinator.lane is not None:  # (its lanes' sizes were checked in the fingerprint)
-            self._adopt(state["agreed"], state["momentum"])
+            self._adopt(record.agreed, record.momentum)
         kept = self.inner_steps > 0
         nbytes = sum(a.numel() * 4 * (2 if self.mu else 1) for a in self.agreed.values())
-        self._log(f"DiLoCo: healed from replica {state['replica']} over torchft's transport: the agreed parameters "
-                  f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {state['iteration']} and "
-                  f"the LR schedule's position")
-        self._restart_outer(int(state["outer_steps"]))
+        self._log(f"DiLoCo: healed from replica {record.source} over torchft's transport: the agreed parameters "
+                  f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {record.iteration}, the LR "
+                  f"schedule's position and the batch split")
+        self._restart_outer(record.outer_steps)
+        self._synced_at = dict(record.synced_at)
         if self.split.mode != "fixed":
-            shares = state.get("shares")
-            self._take_split(shares, int(state.get("split", 0)) if shares else 0)
-        self._take_progress(state, kept)
+            self._take_split(record.shares, record.split if record.shares else 0)
+        self._take_progress(record.progress, kept)
 
     def _adopt(self, agreed: dict, momentum: Optional[dict]) -> None:
         """This lane's agreed parameters and momentum <- ``agreed``/``momentum`` (momentum None: zero)."""
@@ -247,20 +294,59 @@ class ReplicaStep(OuterStep):
         return mover.space.lane_blocks(mover.lane) if mover.lane is not None else []
 
     # -- checkpointing ---------------------------------------------------------------------------
+    # A checkpoint never holds an exchange in flight (its cycle has not committed: its mean
+    # may never be the run's). It holds the replica as of its last committed outer step (the
+    # agreed parameters, momentum and outer step count are untouched until a commit), with
+    # the error buffers as before the open cycle, and the local parameters with this
+    # replica's own training since: a resume exchanges that at its next outer step, as a
+    # discarded cycle would. A resume re-opens nothing.
+    def settle(self) -> None:
+        """Before a save (every rank, the same iteration): nothing to finish (see above); one
+        line when a cycle is open, saying what the checkpoint holds instead of it."""
+        if self._open is not None:
+            frags = ", ".join(map(str, self._fragments(self._open.keys)))
+            self._log(f"DiLoCo: the checkpoint at iteration {self._iteration()} holds outer step "
+                      f"{self.outer_steps} (the last committed) and this replica's training since; the exchange of "
+                      f"fragment(s) {frags} in flight (started at {self._open.cycle.iteration}) is not in it")
+
+    def per_rank_state_dict(self) -> dict:
+        """:meth:`OuterStep.per_rank_state_dict` without the exchange in flight: its
+        channels' error buffers as before its cycle, no pending mean."""
+        snapshots = self._snapshots if self._open is not None else {}
+        return {"shards": {key: views.signature() for key, (views, *_rest) in self.channels.items()},
+                "exchange": {key: (snapshots[key][1] if key in snapshots else ch.state_dict())
+                             for key, (_, ch, _, _) in self.channels.items()},
+                "pending": {}}
+
     def common_state(self) -> dict:
+        record = ReplicaRecord(self.replica, self._progress(), self.outer_steps, self.split_id, self._shares,
+                               self._laid_for, dict(self._synced_at))
         return {**super().common_state(), "elastic": {
             **self.coordinator.state_dict(), "samples_trained": self.samples_trained,
-            "since": {str(f): n for f, n in self._since.items()}, "split": self.split_id,
-            "shares": {str(r): [s.offset, s.samples] for r, s in (self._shares or {}).items()},
-            "laid_for": list(self._laid_for)}}
+            "since": {str(f): n for f, n in self._since.items()}, "record": record.meta(),
+            **({"ended": self.unfinished} if self.ended else {})}}
+
+    @staticmethod
+    def _saved_record(saved: dict) -> Optional[ReplicaRecord]:
+        """The record of a checkpoint's ``elastic`` state (an older checkpoint's loose fields
+        read as one), None when it has none."""
+        if not saved:
+            return None
+        if "record" in saved:
+            return ReplicaRecord.of(saved["record"])
+        return ReplicaRecord(-1, {"iteration": 0}, 0, int(saved.get("split", 0)),
+                             {int(r): Share(int(o), int(n)) for r, (o, n) in saved["shares"].items()}
+                             if saved.get("shares") else None, tuple(int(r) for r in saved.get("laid_for", ())))
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         """As :meth:`OuterStep.load_state_dict`, decided alike on every rank of the job: a
         rank hosting no lane loads nothing (a checkpoint may give it no outer state at all),
-        so whether the lanes start afresh is the lane hosts' verdict, and the outer-step
-        count and the split are rank 0's. A state that does not fit starts from this
-        replica's loaded parameters: the replicas' states then differ, and the first cycle
-        makes them agree on one (:mod:`.agreement`)."""
+        so whether the lanes start afresh is the lane hosts' verdict, and the record (outer
+        step count, split, the replicas the error buffers were laid for) is rank 0's. A
+        state that does not fit starts from this replica's loaded parameters: the replicas'
+        states then differ, and the first cycle makes them agree on one (:mod:`.agreement`).
+        An exchange in flight that an older version saved is dropped, its error buffers at
+        zero (one line): its cycle never committed."""
         import torch.distributed as dist
 
         host = self.coordinator.lane is not None
@@ -268,25 +354,41 @@ class ReplicaStep(OuterStep):
                             and all(sd["agreed"][k].numel() == a.numel() for k, a in self.agreed.items()))
         verdict = torch.tensor([int(fits)])
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.coordinator.control)
-        if not verdict.item():
+        fits = bool(verdict.item())
+        saved = self.coordinator.decide((sd or {}).get("elastic")) or {}
+        record = self._saved_record(saved)
+        if fits and record is not None and record.laid_for:
+            self._lay(record.laid_for)  # (the loaded error buffers' rows were laid for those replicas)
+        if not fits:
             self._agree_on_loaded()
             self._log("DiLoCo: the checkpoint's outer state does not fit this run's lanes; the outer step starts "
                       "afresh from this replica's loaded parameters (the replicas agree on one model at the first "
                       "outer step)")
         elif sd is not None:
             super().load_state_dict(sd)
-        elastic = self.coordinator.decide([self.outer_steps, (sd or {}).get("elastic")])
-        self.outer_steps = int(elastic[0])
-        saved = elastic[1] or {}
+        if self.pending:  # (every lane host alike: one checkpoint moment)
+            for key in self.pending:
+                self.channels[key][1].reset()
+            self._log(f"DiLoCo: the checkpoint holds {len(self.pending)} outer exchange(s) in flight, never "
+                      f"committed (saved by an older version): dropped, their error buffers at zero; this replica's "
+                      f"training since its last committed outer step goes into its next one")
+            self.pending = {}
+        self.outer_steps = int(self.coordinator.decide(self.outer_steps))
         self.coordinator.load_state_dict(saved)
-        if saved.get("shares") and self.split.mode != "fixed":
-            shares = {int(r): Share(int(o), int(n)) for r, (o, n) in saved["shares"].items()}
-            self._take_split(shares, int(saved.get("split", 0)))
+        if record is not None:
+            if record.shares and self.split.mode != "fixed":
+                self._take_split(record.shares, record.split)
+            self._laid_for = record.laid_for if fits else ()
+            self._synced_at = dict(record.synced_at)
         self.samples_trained = int(saved.get("samples_trained", 0))
-        # The replicas the loaded error buffers' rows were laid for: the first cycle keeps
-        # them when it has the same contributors (an older checkpoint: re-laid, one line).
-        self._laid_for = tuple(int(r) for r in saved.get("laid_for", ()))
         self._since = {f: int(saved.get("since", {}).get(str(f), self.samples_trained)) for f in self._since}
+
+    def _lay(self, contributors: tuple) -> None:
+        """Every channel anew, laid for ``contributors`` (a row each, in this order; error
+        buffers at zero)."""
+        for key, (views, _, sub, frag) in list(self.channels.items()):
+            self.channels[key] = (views, self._relay(key, len(contributors)), sub, frag)
+        self._laid_for = tuple(contributors)
 
     def _agree_on_loaded(self) -> None:
         """Outer state afresh from the loaded model (the lanes read from the shards)."""

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from loco_megatron.checkpoint.model_space import model_tensors
 from loco_megatron.config import Config
 from loco_megatron.config.run import batch_granule
-from loco_megatron.diloco.elastic.cycle import config_hash
+from loco_megatron.diloco.elastic.cycle import config_hash, settings_parts
 from loco_megatron.diloco.elastic.lanes import LaneMover, LaneViews, NoLane, Space, check_cover, shard_blocks
 from loco_megatron.diloco.elastic.split import fixed_share
 from loco_megatron.diloco.elastic.replica import Rules, SplitSettings
@@ -64,10 +64,15 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
     # global batch and the seed (the first replica's initial weights are everyone's).
     local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s",
              "diloco_replica_weight")
-    # (not the layout: TP, PP, DP and the micro batch are each replica's own)
-    shared = [{k: v for k, v in dataclasses.asdict(d).items() if k not in local + ("diloco_outer_ranks",)},
-              lc.loco_block_size, lc.loco_quant_seed, sorted(options.__dict__.items()), config.model.seq_length,
-              config.data.global_batch_size, config.train.seed, space]
+    # (not the layout: TP, PP, DP and the micro batch are each replica's own); each under
+    # the name a refusal gives it when it differs
+    named = [*((f"--{k.replace('_', '-')}", v) for k, v in dataclasses.asdict(d).items()
+               if k not in local + ("diloco_outer_ranks",)),
+             ("--loco-block-size", lc.loco_block_size), ("--loco-quant-seed", lc.loco_quant_seed),
+             ("the outer gradients' quantisation options (--loco-* flags)", sorted(options.__dict__.items())),
+             ("--seq-length", config.model.seq_length), ("--global-batch-size", config.data.global_batch_size),
+             ("--seed", config.train.seed), ("the model (its tensors' names and shapes)", space)]
+    shared = [v for _, v in named]
     p, gbs, device = config.parallel, config.data.global_batch_size, coordinator.device
 
     def slowest(seconds: float) -> float:  # (at an outer step, which waits for the others anyway)
@@ -83,5 +88,6 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
                           fixed_share(d.diloco_replica_id, d.diloco_replicas, gbs) if d.diloco_batch_split == "fixed"
                           else None, slowest)
     return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
-                            relay=lambda key: makers[key](), split=split,
-                            rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world, config.optimizer.optimizer))
+                            relay=lambda key, world: makers[key](world), split=split, settings=settings_parts(named),
+                            rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world, config.optimizer.optimizer,
+                                        config.train.train_iters))

@@ -34,24 +34,26 @@ from loco_megatron.diloco.elastic import split as batch_split
 from loco_megatron.diloco.elastic.agreement import adopt
 from loco_megatron.diloco.elastic.cycle import (AGREE, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Cycle, describe_shares,
                                                 missing)
-from loco_megatron.diloco.elastic.replica import ReplicaStep
+from loco_megatron.diloco.elastic.replica import OpenCycle, ReplicaStep
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer_math import nesterov_step
 from loco_megatron.failures import RunAborted
 
-RECHECK_S = 5.0
-"""Seconds before asking again for a quorum that missed a replica of the last cycle: long
-enough for a live replica's heartbeat to reach a lighthouse that just restarted."""
-
-
 class ElasticOuterStep(ReplicaStep):
     """``coordinator``: this rank's :class:`~.coordinator.ElasticCoordinator`; ``replica``: its
     replica id; ``config_hash``: what every replica must share (:func:`.cycle.config_hash`);
-    ``relay(key)``: a new channel for ``key`` laid over the current quorum (its error
+    ``relay(key, world)``: a new channel for ``key`` laid for ``world`` replicas (its error
     buffers at zero); ``split``: how the replicas share the global batch; ``rules``: the
     plan's settings; the other arguments are :class:`OuterStep`'s. The trainer binds
     (:meth:`bind_progress`) what a heal sends and takes besides the outer state, and where
     this replica's batch share goes."""
+
+    recheck_s = 5.0
+    """Seconds before asking again for a quorum that missed a replica of the last cycle: long
+    enough for a live replica's heartbeat to reach a lighthouse that just restarted."""
+    retry_s = 1.0
+    """Seconds before asking again after a cycle that failed before its go vote (and between
+    a joining replica's cycles)."""
 
     # -- the cycles ----------------------------------------------------------------------------
     def join(self, t: int) -> None:
@@ -83,16 +85,15 @@ class ElasticOuterStep(ReplicaStep):
             elif give_up:
                 raise RunAborted(f"DiLoCo: replica {self.replica} could not join the run within "
                                  f"--diloco-quorum-timeout-s ({limit:.0f} s): {self.coordinator.errored()}")
-            time.sleep(1.0)
+            time.sleep(self.retry_s)
 
     def after_step(self, t: int) -> None:
         """Everything the schedule puts after the inner step of iteration ``t``."""
         sched = self.schedule
         self._second_phases(t)
-        applying = [k for k in self._keys(sched.applies(t) if sched.delay else []) if k in self.pending]
         start = time.perf_counter()
-        if applying:
-            self._close_outer(applying)
+        if self._open is not None and self._open.closes_at == t:  # (program order: tau after its start)
+            self._close_outer()
         if sched.starts(t):
             self._cycle(t, joining=False)
         waited = time.perf_counter() - start
@@ -104,28 +105,52 @@ class ElasticOuterStep(ReplicaStep):
         went through the go vote. At a sync point a cycle that failed before the go vote is
         asked again (a second after; five when it missed a replica of the last cycle) until
         it goes through or has failed for --diloco-quorum-timeout-s (then the run ends in one
-        line): the replicas train on only after a cycle whose membership and batch split
-        every participant confirmed. A joining replica's loop (:meth:`join`) asks again
-        itself. A delayed outer step returns ``committed`` False with the cycle open
-        (:attr:`_open`)."""
-        recheck, started = False, time.monotonic()
+        line; it counts from the end of the first failed attempt): the replicas train on
+        only after a cycle whose membership and batch split every participant confirmed. A
+        joining replica's loop (:meth:`join`) asks again itself. A delayed outer step
+        returns ``committed`` False with the cycle open (:attr:`_open`)."""
+        recheck, started = False, None
         limit = self.coordinator.quorum_timeout.total_seconds()
         while True:
-            cycle, committed, again = self._attempt(t, joining, ready, recheck)
+            if self._ended_without_this_replica(joining):
+                return None, False
+            with self.coordinator.waiting:  # (a line while it waits long on other replicas, and when it ends)
+                cycle, committed, again = self._attempt(t, joining, ready, recheck)
             if again is None or (joining and again != RECHECK):
                 return cycle, committed
             recheck = recheck or again == RECHECK
+            # The timeout counts from the end of the first failed attempt: an attempt that
+            # waited --diloco-exchange-timeout-s on a peer stalled inside the cycle does not
+            # eat it, so the live replicas ask again and go on without that peer.
+            started = time.monotonic() if started is None else started
             if self.coordinator.decide(time.monotonic() - started > limit):  # (rank 0's clock, for every rank)
                 raise RunAborted(f"DiLoCo: the cycle at iteration {t} kept failing for --diloco-quorum-timeout-s "
                                  f"({limit:.0f} s): {self.coordinator.errored()}")
-            time.sleep(RECHECK_S if again == RECHECK else 1.0)
+            time.sleep(self.recheck_s if again == RECHECK else self.retry_s)
+
+    def _ended_without_this_replica(self, joining: bool) -> bool:
+        """Before each cycle (every rank, rank 0 reads the lighthouse): whether the run reached
+        --train-iters in a quorum this replica was not in (it was stalled, or cut off, while
+        the others finished). It then ends (:attr:`ended`): a cycle of its own would make it
+        the run's only replica, and its final model another than the one the run ended on.
+        A joining replica ends at once (RunAborted: it trained nothing in this job)."""
+        if not self.rules.train_iters:
+            return False
+        line = self.coordinator.run_ended(self.rules.train_iters)
+        if not line:
+            return False
+        if joining:
+            raise RunAborted(line)
+        self.ended, self.unfinished = True, line
+        self._log(line)
+        return True
 
     def _attempt(self, t: int, joining: bool, ready: bool, recheck: bool) -> tuple[Optional[Cycle], bool, Optional[str]]:
         """One try at a cycle: ``(cycle, committed, again)``; ``again``: why to ask again
         (:data:`.cycle.RECHECK`, "failed", "refused"), None when the cycle went through."""
         common = self._common(t, joining, ready, recheck)
         cycle = self.coordinator.open(t, self.outer_steps, lambda healed: self._lane_fingerprint(common, healed),
-                                      self._plan)
+                                      self._plan, self._accept)
         if cycle is None:
             self.coordinator.close(False)
             if not joining:
@@ -148,7 +173,7 @@ class ElasticOuterStep(ReplicaStep):
         if cycle.action == RECHECK:
             gone = ", ".join(map(str, missing(cycle.participants)))
             self._log(f"DiLoCo: replica(s) {gone} of the last cycle missing from the quorum at iteration {t}; asking "
-                      f"the lighthouse again in {RECHECK_S:.0f} s")
+                      f"the lighthouse again in {self.recheck_s:g} s")
             self.coordinator.close(True)
             return cycle, False, RECHECK
         self.coordinator.say_membership(cycle)
@@ -172,10 +197,10 @@ class ElasticOuterStep(ReplicaStep):
             channel.mean_over = max(cycle.contributors, 1)
             self._snapshots[key] = (channel, channel.state_dict())
             self._start(key, cycle.iteration, zeros=healed)
-        self._open = cycle
+        self._open = OpenCycle(cycle, keys, cycle.iteration + self.schedule.delay)
         if self.schedule.delay:
             return cycle, False, None
-        return cycle, self._close_outer(keys), None
+        return cycle, self._close_outer(), None
 
     def _start(self, key: str, t: int, zeros: bool = False) -> None:
         if not zeros:
@@ -216,30 +241,33 @@ class ElasticOuterStep(ReplicaStep):
         return True
 
     def _follow(self, cycle: Cycle) -> None:
-        """The channels over this cycle's contributors: re-laid when they changed (their rows
-        are per replica), and this replica's row (its place among them)."""
+        """The channels over this cycle's participants: re-laid when they are not the ones
+        the channels are laid for (their rows are per replica: a row each, in participating
+        order), and only then; and this replica's row (its place among them). A discarded
+        cycle leaves the channels laid for its participants (its error buffers restored), so
+        the next cycle of the same replicas keeps them."""
         contributors = tuple(p.replica for p in cycle.participants)
         if contributors != self._laid_for:
             had_errors = self._holds_errors()
-            for key, (views, _, sub, frag) in list(self.channels.items()):
-                self.channels[key] = (views, self._relay(key), sub, frag)
+            were = len(self._laid_for)
+            self._lay(contributors)
             if had_errors:  # (fresh channels: the compressed outer gradients' error buffers at zero)
-                were = f" (were {len(self._laid_for)})" if self._laid_for else ""
-                self._log(f"DiLoCo: {len(contributors)} replica(s) take part{were}: the outer exchange is re-laid "
-                          f"for them, its error buffers start at zero")
-            self._laid_for = contributors
+                self._log(f"DiLoCo: {len(contributors)} replica(s) take part{f' (were {were})' if were else ''}: the "
+                          f"outer exchange is re-laid for them, its error buffers start at zero")
         for _, channel, _, _ in self.channels.values():
             channel.rank = cycle.rank
 
-    def _close_outer(self, keys: list[str]) -> bool:
+    def _close_outer(self) -> bool:
         """Finish the open cycle's exchanges and close it: apply their means (as one world's
         step would) when it commits, else put the channels back as they were and keep the
         local parameters as they are. The decision is the same on every rank of this
         replica, so its optimizer step (the replica's own all-gather) runs on all of them or none."""
-        cycle, self._open = self._open, None
-        for key in keys:
-            self._settled_mean_work(key)
-        committed = self.coordinator.close(True)
+        cycle, keys, self._open = self._open.cycle, self._open.keys, None
+        with self.coordinator.waiting:
+            self.coordinator.phase = "outer"
+            for key in keys:
+                self._settled_mean_work(key)
+            committed = self.coordinator.close(True)
         if committed:
             for key in keys:  # (the scatter of each before megatron's step: see _take_all)
                 self._apply(key)
@@ -249,7 +277,7 @@ class ElasticOuterStep(ReplicaStep):
                 self._since[f] = self.samples_trained
                 self._synced_at[f] = self._iteration()
             self.coordinator.committed += 1
-            mine = cycle.mine(self.replica) if cycle is not None else None
+            mine = cycle.mine(self.replica)
             self.coordinator.took_part += int(mine is not None and not mine.healed)
         else:
             for key in keys:
@@ -258,7 +286,6 @@ class ElasticOuterStep(ReplicaStep):
                 views, _, sub, frag = self.channels[key]
                 channel.load_state_dict(errors)
                 self.channels[key] = (views, channel, sub, frag)
-            self._laid_for = ()  # (the channels put back may be laid for other contributors)
             self._log(f"DiLoCo: the outer step was discarded ({self.coordinator.errored()}); the replicas train on "
                       f"and the next one goes on")
         for key in keys:
@@ -286,9 +313,9 @@ class ElasticOuterStep(ReplicaStep):
         (:attr:`final` None, :attr:`unfinished` says why) when the final outer step is
         withheld (fewer live replicas than --diloco-min-replicas) or no outer step ever
         committed (the agreed parameters would be the initial weights)."""
-        in_flight = [k for k in self.pending]
+        in_flight = list(self._open.keys) if self._open is not None else []
         if in_flight:
-            self._close_outer(in_flight)
+            self._close_outer()
         self.final = {key: a.clone() for key, a in self.agreed.items()}
         exchanged = self._final_cycle(t) if exchange else []
         if not exchanged and self.outer_steps == 0 and not self.unfinished:
@@ -301,20 +328,35 @@ class ElasticOuterStep(ReplicaStep):
     def _final_cycle(self, t: int) -> list[int]:
         """The final outer step over every fragment whose local parameters are not the agreed
         ones (all but those committed at ``t`` itself with alpha 0), into :attr:`final`;
-        returns the fragments exchanged ([]: none committed)."""
-        keys = [k for k, (_, _, _, f) in self.channels.items() if self.alpha or self._synced_at.get(f) != t]
-        if not keys:
+        returns the fragments exchanged ([]: none committed). Every replica opens it, and
+        which fragments it exchanges is one decision for all (:attr:`.cycle.Cycle.synced`):
+        a replica that missed the commit at ``t`` would otherwise exchange another set than
+        the others and end on another model."""
+        if self._ended_without_this_replica(False):
             return []
+        due = set(self.schedule.applies(t) if self.schedule.delay else self.schedule.starts(t))
+        synced = self.alpha == 0.0 and bool(due) and all(self._synced_at.get(f) == t for f in due)
         common = self._common(t, False, False)
-        common.trained = max(self.samples_trained - self._since[self.channels[k][3]] for k in keys)
+        common.synced = synced
+        mine = [k for k, (_, _, _, f) in self.channels.items() if not (synced and f in due)]
+        common.trained = max((self.samples_trained - self._since[self.channels[k][3]] for k in mine), default=0)
+        with self.coordinator.waiting:
+            return self._final_exchange(t, due, common)
+
+    def _final_exchange(self, t: int, due: set, common) -> list[int]:
+        """:meth:`_final_cycle` from its cycle on."""
         cycle = self.coordinator.open(t, self.outer_steps, lambda healed: self._lane_fingerprint(common, healed),
-                                      self._plan)
+                                      self._plan, self._accept)
         if cycle is not None and cycle.action == REFUSE:
             self.coordinator.close(False, refused=True)
             return []
         if cycle is not None and cycle.healed is not None:
             self._heal(cycle)  # (behind at the very end: it sends zeros and ends on the run's final model)
             self.final = {key: a.clone() for key, a in self.agreed.items()}
+        keys = [k for k, (_, _, _, f) in self.channels.items() if not (cycle is not None and cycle.synced and f in due)]
+        if cycle is not None and cycle.action == OUTER and not keys:  # (every fragment final already, for all)
+            self.coordinator.close(True)
+            return []
         if cycle is None or cycle.action != OUTER:
             self.coordinator.close(cycle is not None)
             if cycle is not None and cycle.action == WITHHELD:
