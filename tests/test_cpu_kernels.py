@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from conftest import TINY, torchrun, train_losses
+from conftest import REPO, TINY, torchrun, train_losses
 from loco_helpers import resolve_kernels
 from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
@@ -481,29 +481,45 @@ def _other_ninja_first(tmp_path, monkeypatch) -> pathlib.Path:
 
 
 def _build_files() -> list[tuple[str, bytes, int]]:
-    """The build mark, ninja's log and the module of this session's build: name, bytes, mtime."""
+    """This session's build: ninja's log and the module (name, bytes, mtime), and the build
+    mark's contents (every load rewrites it)."""
     folder = cpu_kernels.build_directory()
-    files = [folder / cpu_kernels.BUILT_MARK, folder / ".ninja_log", folder / f"{cpu_kernels.NAME}.so"]
-    return [(f.name, f.read_bytes(), f.stat().st_mtime_ns) for f in files]
+    files = [folder / ".ninja_log", folder / f"{cpu_kernels.NAME}.so"]
+    mark = folder / cpu_kernels.BUILT_MARK
+    return [(f.name, f.read_bytes(), f.stat().st_mtime_ns) for f in files] + [(mark.name, mark.read_bytes(), 0)]
+
+
+_FRESH_LOAD = """
+import os
+from loco_megatron.loco import cpu_kernels
+path = os.environ["PATH"]
+assert not cpu_kernels.needs_build()
+assert cpu_kernels._build_with_torch() is not None
+print(cpu_kernels.pinned_ninja()[0], os.environ["PATH"] == path)
+"""
 
 
 def test_the_build_runs_the_pinned_ninja_whatever_is_first_on_path(ext, tmp_path, monkeypatch):
-    """Guards against the build (and every load, which runs ninja too) running whichever
-    ninja is first on PATH: another version takes the build's ``.ninja_log`` for changed
-    commands and rebuilds every unit. With another ninja first, a load here runs the
-    ``ninja`` package's (next to this interpreter), rebuilds nothing, never calls the other
-    one, and leaves this process's PATH as it was."""
+    """Guards against the build (and every process's first load, which runs ninja too)
+    running whichever ninja is first on PATH: another version takes the build's
+    ``.ninja_log`` for changed commands and rebuilds every unit. With another ninja first,
+    a fresh process's load runs the ``ninja`` package's (next to the interpreter), rebuilds
+    nothing, never calls the other one (ninja's log and the module untouched), and leaves
+    that process's PATH as it was."""
     import os
+    import subprocess
+    import sys
 
     import ninja
 
     record = _other_ninja_first(tmp_path, monkeypatch)
-    path = os.environ["PATH"]
     before = _build_files()
-    assert cpu_kernels.pinned_ninja()[0] == os.path.join(ninja.BIN_DIR, "ninja")
-    assert not cpu_kernels.needs_build() and cpu_kernels._build_with_torch() is not None
+    proc = subprocess.run([sys.executable, "-c", _FRESH_LOAD], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == f"{os.path.join(ninja.BIN_DIR, 'ninja')} True\n", proc.stdout
     assert not record.exists(), record.read_text()
-    assert _build_files() == before and os.environ["PATH"] == path
+    assert _build_files() == before
 
 
 def test_a_launch_by_absolute_path_trains_on_the_kernels_without_building(cache_dir, tmp_path, monkeypatch, ext):
@@ -513,13 +529,14 @@ def test_a_launch_by_absolute_path_trains_on_the_kernels_without_building(cache_
     changed commands, and ``auto`` (whose build mark said built) waited for the rebuild
     (14 minutes at an elastic replica's start). After this session's build, a 2-rank
     ``auto`` run launched by absolute path with another ninja first on PATH trains on the
-    kernels at once: that ninja never runs, the build mark, ninja's log and the module are
-    untouched, no build is announced."""
+    kernels at once: that ninja never runs, ninja's log, the module and the build mark's
+    ninja are untouched, no build is announced."""
     record = _other_ninja_first(tmp_path, monkeypatch)
     before = _build_files()
-    args = TINY + ["--train-iters", "2", "--lr-decay-iters", "2", "--loco-bits", "4", "--loco-kernels", "auto"]
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4", "--loco-kernels", "auto"]
     proc, metrics = torchrun(2, args, cache_dir, tmp_path, name="absolute", plain=True)
     assert proc.stdout.count(kernels_line("cpu", True, 0, None) + "\n") == 1, proc.stdout
-    assert "building" not in proc.stdout + proc.stderr and sorted(train_losses(metrics)) == [1, 2]
+    building = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "building" in ln and "C++" in ln]
+    assert building == [] and sorted(train_losses(metrics)) == [1, 2, 3], building
     assert not record.exists(), record.read_text()
     assert _build_files() == before
