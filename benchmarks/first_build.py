@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long a first build of LoCo's C++ CPU kernels takes: from an empty extensions folder
 (a fresh ``TORCH_EXTENSIONS_DIR`` in a temporary folder, removed afterwards), at normal
-priority, with torch's ninja build as a run uses it (``MAX_JOBS`` as set, else ninja's
-default). Prints the wall seconds and the compilers' CPU seconds.
+priority, with torch's ninja build as a run uses it (the pinned ninja, ``MAX_JOBS`` as set,
+else ninja's default). Prints the wall seconds and the compilers' CPU seconds.
 
 The figure the docs quote is a quiet machine's: the script refuses to measure (exit 2)
 when the 1-minute load average is above ``--max-load-per-core`` (0.5) per core or when it
@@ -71,8 +71,8 @@ def main() -> int:
 
         assert cpu_kernels.needs_build() and not any(cpu_kernels.build_directory().iterdir())
         jobs = os.environ.get("MAX_JOBS", "unset (ninja's default)")
-        print(f"building LoCo's C++ CPU kernels in {cpu_kernels.build_directory()} (empty), MAX_JOBS {jobs}",
-              flush=True)
+        print(f"building LoCo's C++ CPU kernels in {cpu_kernels.build_directory()} (empty), MAX_JOBS {jobs}, "
+              f"{cpu_kernels.built_mark().strip()} ({cpu_kernels.pinned_ninja()[0]})", flush=True)
         cpu0, t0 = compilers_cpu_s(), time.monotonic()
         built = cpu_kernels.extension()
         wall, cpu = time.monotonic() - t0, compilers_cpu_s() - cpu0

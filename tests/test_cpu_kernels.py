@@ -5,11 +5,12 @@ once per test session; see ``benchmarks/kernels.py`` for its speed."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 import torch
 
-from conftest import TINY, torchrun, train_losses
+from conftest import REPO, TINY, torchrun, train_losses
 from loco_helpers import resolve_kernels
 from loco_megatron.loco import collectives, cpu_kernels
 from loco_megatron.loco import quantize as qz
@@ -451,3 +452,91 @@ def test_the_avx512_unit_is_built_only_for_a_cpu_that_has_it(tmp_path):
     assert f"-DLOCO_MAX_ISA={here}" in cpu_kernels.cflags()
     ext = cpu_kernels.extension()
     assert ext is not None and ext.isa() <= here
+
+
+OTHER_NINJA = """#!/bin/sh
+# Another ninja first on PATH (the system's 1.11, as a launch by absolute path finds it):
+# records each call; answers the version check, fails a build.
+echo "$@" >> {record}
+case "$1" in --version) echo 1.11.1; exit 0;; esac
+exit 1
+"""
+
+
+def _other_ninja_first(tmp_path, monkeypatch) -> pathlib.Path:
+    """PATH with :data:`OTHER_NINJA` first and without this interpreter's folder (a launch by
+    absolute path); returns the file its calls go to (absent until one is made)."""
+    import os
+    import sys
+
+    record = tmp_path / "other_ninja_calls"
+    fake = tmp_path / "other_bin" / "ninja"
+    fake.parent.mkdir()
+    fake.write_text(OTHER_NINJA.format(record=record))
+    fake.chmod(0o755)
+    here = os.path.dirname(sys.executable)
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != here]
+    monkeypatch.setenv("PATH", os.pathsep.join([str(fake.parent), *rest]))
+    return record
+
+
+def _build_files() -> list[tuple[str, bytes, int]]:
+    """This session's build: ninja's log and the module (name, bytes, mtime), and the build
+    mark's contents (every load rewrites it)."""
+    folder = cpu_kernels.build_directory()
+    files = [folder / ".ninja_log", folder / f"{cpu_kernels.NAME}.so"]
+    mark = folder / cpu_kernels.BUILT_MARK
+    return [(f.name, f.read_bytes(), f.stat().st_mtime_ns) for f in files] + [(mark.name, mark.read_bytes(), 0)]
+
+
+_FRESH_LOAD = """
+import os
+from loco_megatron.loco import cpu_kernels
+path = os.environ["PATH"]
+assert not cpu_kernels.needs_build()
+assert cpu_kernels._build_with_torch() is not None
+print(cpu_kernels.pinned_ninja()[0], os.environ["PATH"] == path)
+"""
+
+
+def test_the_build_runs_the_pinned_ninja_whatever_is_first_on_path(ext, tmp_path, monkeypatch):
+    """Guards against the build (and every process's first load, which runs ninja too)
+    running whichever ninja is first on PATH: another version takes the build's
+    ``.ninja_log`` for changed commands and rebuilds every unit. With another ninja first,
+    a fresh process's load runs the ``ninja`` package's (next to the interpreter), rebuilds
+    nothing, never calls the other one (ninja's log and the module untouched), and leaves
+    that process's PATH as it was."""
+    import os
+    import subprocess
+    import sys
+
+    import ninja
+
+    record = _other_ninja_first(tmp_path, monkeypatch)
+    before = _build_files()
+    proc = subprocess.run([sys.executable, "-c", _FRESH_LOAD], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == f"{os.path.join(ninja.BIN_DIR, 'ninja')} True\n", proc.stdout
+    assert not record.exists(), record.read_text()
+    assert _build_files() == before
+
+
+def test_a_launch_by_absolute_path_trains_on_the_kernels_without_building(cache_dir, tmp_path, monkeypatch, ext):
+    """Guards against two kinds of launch rebuilding each other's C++ kernels in the
+    foreground: a venv's torchrun started by absolute path got the system's ninja, the
+    same run with the venv's bin on PATH the pinned one, each took the other's build for
+    changed commands, and ``auto`` (whose build mark said built) waited for the rebuild
+    (14 minutes at an elastic replica's start). After this session's build, a 2-rank
+    ``auto`` run launched by absolute path with another ninja first on PATH trains on the
+    kernels at once: that ninja never runs, ninja's log, the module and the build mark's
+    ninja are untouched, no build is announced."""
+    record = _other_ninja_first(tmp_path, monkeypatch)
+    before = _build_files()
+    args = TINY + ["--train-iters", "3", "--lr-decay-iters", "3", "--loco-bits", "4", "--loco-kernels", "auto"]
+    proc, metrics = torchrun(2, args, cache_dir, tmp_path, name="absolute", plain=True)
+    assert proc.stdout.count(kernels_line("cpu", True, 0, None) + "\n") == 1, proc.stdout
+    building = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "building" in ln and "C++" in ln]
+    assert building == [] and sorted(train_losses(metrics)) == [1, 2, 3], building
+    assert not record.exists(), record.read_text()
+    assert _build_files() == before

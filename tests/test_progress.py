@@ -44,7 +44,7 @@ def test_cpu_kernel_build_is_announced_on_first_use_only(tmp_path, monkeypatch):
     (cpu_kernels.build_directory() / f"{cpu_kernels.NAME}.so").write_bytes(b"")  # linking, not finished
     lines = []
     assert resolve(lines) == "cpu" and lines == [cpu_kernels.BUILD_NOTE]
-    (cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK).touch()
+    (cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK).write_text(cpu_kernels.built_mark())
     lines = []
     assert resolve(lines) == "cpu" and lines == []
     assert "first use only" in cpu_kernels.BUILD_NOTE
@@ -79,7 +79,7 @@ def test_build_folder_is_keyed_on_the_sources_and_the_checkout(tmp_path, monkeyp
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     ours = cpu_kernels.build_directory()
-    (ours / cpu_kernels.BUILT_MARK).touch()
+    (ours / cpu_kernels.BUILT_MARK).write_text(cpu_kernels.built_mark())
     assert ours.parent == tmp_path / "ext" and not cpu_kernels.needs_build()
     csrc = tmp_path / "other_checkout" / "csrc"
     shutil.copytree(cpu_kernels.CSRC, csrc)
@@ -115,7 +115,7 @@ def test_sources_newer_than_the_build_need_a_build(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(csrc / f.name for f in cpu_kernels.SOURCES))
     monkeypatch.setattr(cpu_kernels, "HEADERS", tuple(csrc / f.name for f in cpu_kernels.HEADERS))
     mark = cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK
-    mark.touch()
+    mark.write_text(cpu_kernels.built_mark())
     for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
         os.utime(f, (mark.stat().st_mtime - 10,) * 2)
     assert not cpu_kernels.needs_build()
@@ -126,6 +126,57 @@ def test_sources_newer_than_the_build_need_a_build(tmp_path, monkeypatch):
     os.utime(mark, (header.stat().st_mtime + 1,) * 2)  # rebuilt after it
     assert not cpu_kernels.needs_build()
 
+
+
+def test_the_build_folder_and_mark_carry_the_ninja_version(tmp_path, monkeypatch):
+    """Guards against a build by one ninja taken for current by another: two versions take
+    each other's ``.ninja_log`` for changed commands and rebuild every unit, so a launch
+    whose mark said built waited in the foreground. Another ninja version names another
+    folder, and a mark naming another ninja, or none (an older version's), needs a build."""
+    from loco_megatron.loco import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ours = cpu_kernels.build_directory()
+    mark = ours / cpu_kernels.BUILT_MARK
+    mark.write_text(cpu_kernels.built_mark())
+    assert cpu_kernels.built_mark() == f"ninja {cpu_kernels.pinned_ninja()[1]}\n" and not cpu_kernels.needs_build()
+    for stale in ("", "ninja 1.11.1\n"):
+        mark.write_text(stale)
+        assert cpu_kernels.needs_build(), stale
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "pinned_ninja", lambda: ("/usr/bin/ninja", "1.11.1"))
+        theirs = cpu_kernels.build_directory()
+    assert theirs.parent == ours.parent and theirs != ours and cpu_kernels.build_directory() == ours
+
+
+def test_a_stale_build_mark_builds_in_the_background_under_auto(tmp_path, monkeypatch):
+    """Guards against ``auto`` loading a build whose mark is stale (another ninja's, or an
+    older version's without one) in the foreground, where loading recompiles every unit
+    while the training waits (14 minutes seen at an elastic replica's start): the run
+    starts the background build and trains on torch, and its "built" line waits for a mark
+    written after it started, not the stale one; a current mark is loaded at once."""
+    import os
+
+    from loco_megatron.loco import cpu_kernels
+    from loco_megatron.loco.kernel_choice import BUILDING
+    from loco_megatron.training.kernels import BackgroundBuild
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    mark = cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK
+    for stale in ("", "ninja 1.11.1\n"):
+        mark.write_text(stale)
+        kernels, why, used, _ = _resolve(["--loco-bits", "4"], tmp_path, monkeypatch)
+        assert (kernels, why, used) == ("torch", BUILDING, ["build"]), stale
+    lines = []
+    build = BackgroundBuild(False, lines.append)
+    build.poll()
+    assert len(lines) == 1 and lines[0].startswith("LoCo: building the C++ CPU kernels in the background"), lines
+    mark.write_text(cpu_kernels.built_mark())
+    os.utime(mark, ns=(mark.stat().st_mtime_ns + 10**9,) * 2)  # written later than the stale one
+    build.poll()
+    build.poll()
+    assert len(lines) == 2 and lines[1].startswith("LoCo: the C++ CPU kernels are built"), lines
+    assert _resolve(["--loco-bits", "4"], tmp_path, monkeypatch)[2] == ["load"]
 
 def _resolve(argv, tmp_path, monkeypatch):
     """resolve_loco_kernels on a CPU device for ``argv``, the C++ build and load replaced by

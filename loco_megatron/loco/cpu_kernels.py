@@ -4,13 +4,14 @@ headers it lists in ``kernels.h``).
 
 Built at first use with ``torch.utils.cpp_extension.load`` (ninja + the system C++
 compiler) into a folder of torch's extensions root (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions/py311_cpu``) named for the sources and the checkout
-(:func:`build_directory`), so later processes only load the ``.so`` and two checkouts never
-rebuild each other's. ``python -m loco_megatron.loco.cpu_kernels`` builds them (what a run
-with ``--loco-kernels auto`` starts in the background, :func:`start_background_build`). The source is
-compiled for baseline x86-64 plus an AVX2+FMA copy of every hot loop, chosen at run time
-by CPU feature detection, so the build runs on any x86-64 CPU (and on other
-architectures, without the AVX2 copy).
+``~/.cache/torch_extensions/py311_cpu``) named for the sources, the checkout and the ninja
+version (:func:`build_directory`), so later processes only load the ``.so`` and two
+checkouts never rebuild each other's. Every build and load runs the pinned ninja
+(:func:`pinned_ninja`) whatever is first on PATH. ``python -m loco_megatron.loco.cpu_kernels``
+builds them (what a run with ``--loco-kernels auto`` starts in the background,
+:func:`start_background_build`). The source is compiled for baseline x86-64 plus an
+AVX2+FMA copy of every hot loop, chosen at run time by CPU feature detection, so the build
+runs on any x86-64 CPU (and on other architectures, without the AVX2 copy).
 
 The kernels compute what the torch reference computes (:mod:`.quantize`,
 :class:`.LoCoCompressor`, :func:`.collectives.decompress_into`), bit for bit for codes,
@@ -19,10 +20,13 @@ scales and decompressed sums; the stored error matches within one int8 step.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 from typing import Callable, Optional
@@ -62,8 +66,9 @@ built there; with the AVX-512 unit as well (a CPU that has it): 2 min 18 s wall,
 three instruction-set units are most of it; on cores shared with other work the wall time grows with
 the load."""
 BUILT_MARK = "loco_built"
-"""Written into the build folder once the module has been built and loaded: a ``.so`` that
-ninja is still linking is never taken for a finished build."""
+"""Written into the build folder once the module has been built and loaded, holding the
+ninja version that built it (:func:`built_mark`): a ``.so`` that ninja is still linking is
+never taken for a finished build, nor one that another ninja built (:func:`needs_build`)."""
 FAILED_MARK = "loco_build_failed"
 """Written by a background build that failed (no compiler, a compile error), holding the
 reason: later runs do not start it again for the same sources (:func:`build_failure`)."""
@@ -97,14 +102,68 @@ def cflags() -> list[str]:
     return [*CFLAGS, f"-DLOCO_MAX_ISA={max_isa()}"]
 
 
+@functools.lru_cache(maxsize=None)
+def pinned_ninja() -> tuple[str, str]:
+    """``(executable, version)`` of the ninja that builds (and loads) the kernels: the
+    ``ninja`` package's, which requirements.txt pins (``ninja.BIN_DIR``, next to this
+    interpreter), whatever is first on PATH; without that package, the first ``ninja`` on
+    PATH; ``("", "none")`` when there is neither (torch's build then fails, saying so).
+
+    One ninja per build folder: two ninja versions take each other's ``.ninja_log`` (a
+    format and a command hash of their own) for changed commands, so a launch by absolute
+    path (the system's ninja first on PATH) and one with the environment's ``bin`` on PATH
+    rebuilt every unit of each other's build."""
+    try:
+        import ninja as package
+
+        path = os.path.join(package.BIN_DIR, "ninja") if package.BIN_DIR else ""
+    except ImportError:
+        path = ""
+    if not (path and os.access(path, os.X_OK)):
+        path = shutil.which("ninja") or ""
+    if not path:
+        return "", "none"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):  # torch's build runs it again and says why
+        return path, "unknown"
+    return path, out.stdout.strip()
+
+
+def built_mark() -> str:
+    """What :data:`BUILT_MARK` holds for a build by :func:`pinned_ninja` (its version)."""
+    return f"ninja {pinned_ninja()[1]}\n"
+
+
+@contextlib.contextmanager
+def _pinned_ninja_first():
+    """``os.environ``'s PATH with :func:`pinned_ninja`'s folder first, restored on leaving:
+    torch runs ``ninja`` by name (its availability check and the build, whose environment is
+    a copy of ``os.environ``). Only the build and load under :func:`.build_lock.build_lock` run
+    inside it, before any training step; nothing else sees the change afterwards."""
+    before = os.environ.get("PATH")
+    folder = os.path.dirname(pinned_ninja()[0])
+    if folder:
+        os.environ["PATH"] = os.pathsep.join([folder, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def _checkout_key() -> str:
-    """16 hex digits of the sha256 of every source and header, the compiler flags and this
+    """16 hex digits of the sha256 of every source and header, the compiler flags, the
+    ninja version (:func:`pinned_ninja`: another one would rebuild everything) and this
     checkout's path (torch's ``build.ninja`` names the sources by path, so another checkout
     in the same folder would rebuild it even with identical sources)."""
     h = hashlib.sha256(str(CSRC).encode())
     for f in (*SOURCES, *HEADERS):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(" ".join(cflags()).encode())
+    h.update(built_mark().encode())
     return h.hexdigest()[:16]
 
 
@@ -117,12 +176,16 @@ def build_directory() -> pathlib.Path:
 
 def needs_build() -> bool:
     """Whether loading the kernels compiles them first: no finished build in
-    :func:`build_directory` yet, or a source or header newer than it. ninja decides by
-    modification time, so a fresh clone or a checkout that rewrote the files (same
-    contents, same folder name) recompiles; a run that took the old build for current
+    :func:`build_directory` yet, one whose mark names another ninja (:func:`built_mark`;
+    a mark without one is an older version's), or a source or header newer than it. ninja
+    decides by modification time, so a fresh clone or a checkout that rewrote the files
+    (same contents, same folder name) recompiles; a run that took the old build for current
     would then compile in the foreground at start-up instead of in the background."""
     mark = build_directory() / BUILT_MARK
-    if not mark.is_file():
+    try:
+        if mark.read_text() != built_mark():
+            return True
+    except OSError:
         return True
     built = mark.stat().st_mtime
     return any(f.stat().st_mtime > built for f in (*SOURCES, *HEADERS))
@@ -157,16 +220,17 @@ def start_background_build() -> Optional[pathlib.Path]:
 
 def _build_with_torch(verbose: bool = False, background: bool = False):
     """Build (first use) or load the module in :func:`build_directory`, under its
-    :func:`.build_lock.build_lock`; ``background``: this is the niced background build,
-    writing to ``build.log`` there (a process that needs the kernels raises its priority
-    rather than wait on it at nice 10)."""
+    :func:`.build_lock.build_lock`, with :func:`pinned_ninja` (torch runs ninja at every
+    load: a ninja of another version would rebuild it all); ``background``: this is the
+    niced background build, writing to ``build.log`` there (a process that needs the
+    kernels raises its priority rather than wait on it at nice 10)."""
     from torch.utils import cpp_extension
 
     folder = build_directory()
-    with build_lock(folder, background, folder / "build.log" if background else None):
+    with build_lock(folder, background, folder / "build.log" if background else None), _pinned_ninja_first():
         module = cpp_extension.load(name=NAME, sources=[str(f) for f in units()], extra_cflags=cflags(),
                                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
-        (folder / BUILT_MARK).touch()
+        (folder / BUILT_MARK).write_text(built_mark())
         (folder / FAILED_MARK).unlink(missing_ok=True)
         return module
 
@@ -290,7 +354,8 @@ if __name__ == "__main__":  # the background build (start_background_build)
     # needs the kernels now raises it to its own priority while it waits (.build_lock).
     os.nice(10)
     t0 = time.monotonic()
-    print(f"building LoCo's C++ CPU kernels in {build_directory()}", flush=True)
+    print(f"building LoCo's C++ CPU kernels in {build_directory()} with {pinned_ninja()[0]} "
+          f"({built_mark().strip()})", flush=True)
     try:
         _build_with_torch(verbose=True, background=True)
     except Exception as e:  # recorded, so that later runs neither wait for nor retry it

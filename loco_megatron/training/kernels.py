@@ -36,15 +36,25 @@ class BackgroundBuild:
         self._say, self._t0, self._done = say, time.monotonic(), False
         # The folder is named by a hash of every source: found once, not at every poll.
         self._built = cpu_kernels.build_directory() / cpu_kernels.BUILT_MARK
+        # A stale mark (sources rewritten since, another ninja's build) is why this build
+        # runs: only a mark written after now says it has finished.
+        self._stale = self._stamp()
         log = cpu_kernels.start_background_build() if start else None
         where = f"log: {log}" if log is not None else f"under way in {cpu_kernels.build_directory()}"
         # "first use only": one-time lines, as the corpus's (a run's other lines repeat exactly)
         say(f"LoCo: building the C++ CPU kernels in the background (first use only; {where}); this run "
             f"trains on the torch reference, which computes the same bits, and runs after the build use the kernels")
 
+    def _stamp(self) -> Optional[int]:
+        """The build mark's modification time (ns), None while there is none."""
+        try:
+            return self._built.stat().st_mtime_ns
+        except OSError:
+            return None
+
     def poll(self) -> None:
         """One line, once, when the build has finished (a file test; no collective)."""
-        if not self._done and self._built.is_file():
+        if not self._done and self._stamp() not in (None, self._stale):
             self._done = True
             self._say(f"LoCo: the C++ CPU kernels are built (first use only; {time.monotonic() - self._t0:.0f} s "
                       f"after the start); the next run uses them")
