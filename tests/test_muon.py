@@ -189,6 +189,17 @@ def test_the_layer_wise_gather_sends_each_dtype_at_its_own():
                 assert tensor.dtype == dtype and torch.equal(tensor, expected), (rank, owner, i, tensor, expected)
 
 
+def test_a_checkpoint_with_one_adamw_step_count_gives_it_to_every_group():
+    """Guards against a --optimizer muon checkpoint written before the per-group AdamW step
+    counts (one ``step`` per sub-optimizer in its common state) failing to load (KeyError on
+    ``steps``) or restarting a group's count: each group reads that count; a checkpoint with
+    per-group counts reads them as written."""
+    from loco_megatron.checkpoint.layer_wise import saved_steps
+
+    assert saved_steps({"groups": [{"lr": 1e-3}, {"lr": 1e-3}], "step": 7.0}) == [7.0, 7.0]
+    assert saved_steps({"groups": [{"lr": 1e-3}, {"lr": 1e-3}], "steps": [7.0, 3.0]}) == [7.0, 3.0]
+
+
 def test_scales_are_megatrons():
     """Guards against a scale mode computing another factor than megatron-core's
     (emerging-optimizers' get_muon_scale_factor) for a tall and a wide matrix."""

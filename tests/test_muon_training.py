@@ -1,8 +1,9 @@
 """--optimizer muon in real training on gloo ranks: which parameter goes to Muon, the
 layer-wise sharding over DP 1/2/4, the parameter all-gather across dtypes, a resume under
-another optimizer. Resumes at the same and at another layout: the combination matrix
-(test_matrix.py, its ``muon`` cells); Muon inside DiLoCo (MuLoCo): test_diloco.py; the update
-maths: test_muon.py."""
+another optimizer, AdamW's step counts across a resume (torch's AdamW and a stand-in for
+Transformer Engine's FusedAdam). Resumes at the same and at another layout: the combination
+matrix (test_matrix.py, its ``muon`` cells); Muon inside DiLoCo (MuLoCo): test_diloco.py; the
+update maths: test_muon.py."""
 
 from __future__ import annotations
 
@@ -187,3 +188,33 @@ def test_muon_state_reshards_from_dp_2_to_tp_2(runs):
     ref = runs["dp2"][0]["params"]
     worst = max(_rms(_whole(runs["tp2resume"], n, ref[n]), ref[n]) for n in ref)
     assert worst < TRACK, worst
+
+
+@pytest.mark.parametrize("adam", ["torch", "te"])
+def test_adamw_step_counts_resume_bit_exact_where_the_optimizer_keeps_them(adam, cache_dir, tmp_path):
+    """Guards against AdamW's step count going wrong across a resume of the layer-wise
+    optimizer under Transformer Engine: TE's FusedAdam (megatron-core's Adam when TE is
+    installed) keeps it in each param group, not per parameter, and does not advance it on a
+    rank owning nothing of the group. A checkpoint that read per-parameter steps saved 0 and
+    took the groups from rank 0 alone, so a rank owning a group rank 0 owns nothing of
+    restarted it at step 1 (bias correction 2.2 instead of 1.0), and the load put a
+    per-parameter step into TE's state, which its state_dict() refuses (KeyError: a
+    --ckpt-format torch save failed). On 2 ranks, rank 0 owning none of an AdamW group, with
+    torch's AdamW and with tests/te_fused_adam.py's stand-in for TE's: the checkpoint at
+    step 2 holds every AdamW group's count (2); resumed there, the run ends step 4 with
+    every parameter bit for bit the uninterrupted run's and each group a rank owns at the
+    same count, and its --ckpt-format torch save at step 4 is written."""
+    from loco_megatron.checkpoint.torch_dist import saved_common
+
+    torchrun(2, [str(tmp_path), adam, *MUON], cache_dir, tmp_path, script="tests/muon_resume_run.py", name=adam)
+    ref, resumed = _dump(tmp_path, "ref", 2), _dump(tmp_path, "resume", 2)
+    owned = [[n for n, _ in ref[rank]["groups"][1]] for rank in range(2)]  # (AdamW's groups)
+    assert any(mine == 0 and theirs > 0 for mine, theirs in zip(*owned)), owned
+    assert saved_common(tmp_path / "ck" / "iter_0000002")["optimizer"][1]["common"]["steps"] == [2.0, 2.0]
+    for a, b in zip(ref, resumed):
+        assert [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])] == []
+        counts = [[(step, other) for (n, step), (_, other) in zip(x, y) if n]
+                  for x, y in zip(a["groups"], b["groups"])]
+        assert all(step is not None and step == other for groups in counts[1:] for step, other in groups), counts
+    assert sorted(p.name for p in (tmp_path / "ck2" / "iter_0000004").glob("rank_*.pt")) == \
+        ["rank_00000.pt", "rank_00001.pt"]

@@ -8,8 +8,13 @@ shape under the keys the distributed optimizer's checkpoint uses
 :mod:`.dist_optimizer`, whose model-space blocks this reuses with the whole local parameter
 as the range): the owner writes its parameters, and a load under another layout reads the
 blocks of the parameters it owns there, from whichever ranks wrote them. Common state per
-sub-optimizer: its param groups' hyper-parameters and AdamW's step count (the same for every
-parameter: the steps that succeeded).
+sub-optimizer: its param groups' hyper-parameters and, per group, AdamW's step count (the
+steps that succeeded), read where the optimizer keeps it: torch's AdamW in each parameter's
+state (``state[p]["step"]``), Transformer Engine's FusedAdam (megatron-core's Adam when TE
+is installed) in the group (``param_groups[i]["step"]``), which older TE versions do not
+advance on a rank owning nothing of the group. So each group's count is the largest over
+every rank (the ranks that own some of it), not rank 0's, and a load restores it where the
+loading optimizer keeps it.
 
 megatron-core's own ``LayerWiseDistributedOptimizer.sharded_state_dict`` is not used: it goes
 through the sub-optimizers' formats, which index state by a rank's own parameter order, fail
@@ -28,20 +33,55 @@ from loco_megatron.checkpoint.dist_optimizer import _pieces
 from loco_megatron.checkpoint.model_space import model_tensors
 
 
+def _hyper(group: dict) -> dict:
+    """A param group's hyper-parameters: neither its parameters nor its step count (a
+    checkpoint keeps that per group apart, see :func:`_steps`)."""
+    return {k: v for k, v in group.items() if k not in ("params", "step")}
+
+
 def _state_names(inner) -> tuple:
     from loco_megatron.optimizer.muon import Muon
 
     return ("momentum_buffer",) if isinstance(inner, Muon) else ("exp_avg", "exp_avg_sq")
 
 
+def _keeps_step_per_group(inner) -> bool:
+    """Whether the torch optimizer ``inner`` counts its steps in ``param_groups[i]["step"]``
+    (Transformer Engine's and Apex's FusedAdam) rather than in each parameter's state
+    (torch's own Adam and AdamW)."""
+    return not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _group_step(inner, group: dict) -> float:
+    """The steps ``group`` of ``inner`` took on this rank: its own count, else the largest of
+    its parameters' (0 before any step, or where this rank owns nothing of it)."""
+    if "step" in group:
+        return float(group["step"])
+    states = (inner.state[p] for p in group["params"] if p in inner.state)
+    return max((float(s["step"]) for s in states if "step" in s), default=0.0)
+
+
 def _steps(subs: list, device) -> list:
-    """Per sub-optimizer, AdamW's step count (0 for Muon, or before any step), the largest
-    over the ranks: a rank may own no parameter of a sub-optimizer. Collective (a save is)."""
-    local = [max((float(s["step"]) for s in opt.optimizer.state.values() if "step" in s), default=0.0)
-             for opt in subs]
+    """Per sub-optimizer, per param group, AdamW's step count (0 for Muon, or before any
+    step), the largest over the ranks: a rank may own nothing of a group (every rank holds
+    every group, megatron aligns them, empty where it owns none). Collective (a save is)."""
+    local = [_group_step(opt.optimizer, g) for opt in subs for g in opt.optimizer.param_groups]
     steps = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    return steps.tolist()
+    flat, out = steps.tolist(), []
+    for opt in subs:
+        out.append(flat[:len(opt.optimizer.param_groups)])
+        flat = flat[len(out[-1]):]
+    return out
+
+
+def saved_steps(common: dict) -> list:
+    """Per param group, the step count a checkpoint's common state of one sub-optimizer
+    holds; one written before the per-group counts (one ``step`` for every group) reads as
+    that count for each group."""
+    if "steps" in common:
+        return list(common["steps"])
+    return [common["step"]] * len(common["groups"])
 
 
 def sharded_state_dict(optimizer, model_sd: dict, is_loading: bool) -> dict:
@@ -71,7 +111,7 @@ def sharded_state_dict(optimizer, model_sd: dict, is_loading: bool) -> dict:
                                                     data=tensors[name][flat:flat + math.prod(shape)].view(shape))
                                 for m, shape, flat in pieces] for name in names}
         common = None if is_loading else {
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups], "step": steps[i]}
+            "groups": [_hyper(g) for g in inner.param_groups], "steps": steps[i]}
         out[i] = {"common": common, "params": params}
     return out
 
@@ -85,16 +125,21 @@ def load_state_dict(optimizer, sd: dict) -> None:
 
     for i, (opt, pairs) in enumerate(zip(sub_optimizers(optimizer), owned(optimizer))):
         inner, saved = opt.optimizer, sd[i]
-        for group, hyper in zip(inner.param_groups, saved["common"]["groups"]):
-            group.update({k: v for k, v in hyper.items() if k != "params"})
         names = _state_names(inner)
+        adam = names != ("momentum_buffer",)
+        step_of = {}
+        for group, hyper, step in zip(inner.param_groups, saved["common"]["groups"], saved_steps(saved["common"])):
+            group.update(_hyper(hyper))
+            if adam and _keeps_step_per_group(inner):
+                group["step"] = int(step)
+            step_of.update({p: step for p in group["params"]})
         for j, (param, main) in enumerate(pairs):
             blocks = saved["params"][j]
             state = inner.state[main]
             for name in names:
                 state.setdefault(name, torch.zeros_like(main))
-            if names != ("momentum_buffer",):
-                state["step"] = torch.tensor(float(saved["common"]["step"]), dtype=torch.float32)
+            if adam and not _keeps_step_per_group(inner):
+                state["step"] = torch.tensor(float(step_of[main]), dtype=torch.float32)
             for name in ("fp32_param", *names):
                 target = (main if name == "fp32_param" else state[name]).view(-1)
                 at = 0
