@@ -94,3 +94,35 @@ def test_a_restarted_lighthouses_quorum_ids_never_reuse_a_prefix_whose_keys_are_
         assert dist.PrefixStore(prefix.split("/", 1)[1], store).check(["0/0", "0/1"])
         assert prefix.startswith(addr + "/") and prefix not in used
         used.append(prefix)
+
+
+class AbortedNCCL:
+    """What a vote sees on torchft's NCCL group when the collective outlived its timeout
+    (the real path needs GPUs): the timer thread's ``abort()`` set ``errored()`` and released
+    the stream, the wait returned normally (it only orders the streams), and the tensor holds
+    this member's own value, not the MIN. ``wait_returns``: the wait's own verdict."""
+
+    def __init__(self, wait_returns: bool = True, aborted: bool = True):
+        self.wait_returns, self.aborted = wait_returns, aborted
+
+    def allreduce(self, tensors, opts):
+        pg = self
+
+        class Work:
+            def wait(self, timeout=None):
+                return pg.wait_returns
+
+        return Work()
+
+    def errored(self):
+        return RuntimeError("aborted") if self.aborted else None
+
+
+def test_a_vote_whose_collective_was_aborted_without_raising_is_a_failed_vote():
+    """Guards against a vote that counts only exceptions as failures: torchft's NCCL group
+    aborts a stuck collective asynchronously and the wait returns, so ``t.item()`` reads this
+    member's own yes (or a partial MIN) although another member voted no or never arrived.
+    The vote must read the work's and the group's status and answer None (a failed vote)."""
+    assert vote(AbortedNCCL(), True, CPU) is None
+    assert vote(AbortedNCCL(wait_returns=False, aborted=False), True, CPU) is None
+    assert vote(AbortedNCCL(aborted=False), True, CPU) is True  # (a completed collective: its value)

@@ -122,21 +122,34 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
 
 def vote(pg, yes: bool, device: torch.device) -> Optional[bool]:
     """The MIN over the cycle's participants of ``yes`` (one tiny all-reduce on torchft's
-    group ``pg``), None when the all-reduce itself fails. Issued by every participant whose
-    group is usable at the same program point, also after a failure that left it usable
-    (unlike :func:`torchft_ops`' collectives, which turn into no-ops after any failure), so
-    one participant's failure reaches the others at once instead of after a timeout.
-    ``device``: the group's (NCCL's collectives take CUDA tensors only)."""
+    group ``pg``), None when the all-reduce did not complete everywhere. Issued by every
+    participant whose group is usable at the same program point, also after a failure that
+    left it usable (unlike :func:`torchft_ops`' collectives, which turn into no-ops after any
+    failure), so one participant's failure reaches the others at once instead of after a
+    timeout. ``device``: the group's (NCCL's collectives take CUDA tensors only).
+
+    A failed collective shows in one of three ways, each a failed vote: gloo raises at the
+    launch or the wait; torchft's NCCL group, which aborts a collective that outlives its
+    timeout from a timer thread, either returns False from the wait or returns normally (its
+    wait only orders the streams) with the group's ``errored()`` set and the tensor holding
+    whatever the aborted kernel left (the local value, or a partial MIN). The abort sets
+    ``errored()`` before it releases the stream, so it is read after ``t.item()`` (the vote's
+    one host sync): torchft's ``errored()`` then syncs a stream already drained, and no vote
+    read before the abort landed passes for a completed one."""
     from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
     t = torch.tensor([int(yes)], dtype=torch.int64, device=device)
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MIN
-    try:
-        pg.allreduce([t], opts).wait()
-    except Exception:  # noqa: BLE001 - a failed vote is a no, on a group that may be broken now
+    try:  # (a failed vote is a no, on a group that may be broken now)
+        if pg.allreduce([t], opts).wait() is False:
+            return None
+        value = bool(t.item())
+        if pg.errored() is not None:
+            return None
+    except Exception:  # noqa: BLE001
         return None
-    return bool(t.item())
+    return value
 
 
 def fresh_groups(base: type) -> type:
