@@ -4,13 +4,15 @@ torchft's reconfigurable groups sit outside torch.distributed's registry and for
 some collectives: :func:`torchft_ops` gives LoCo's :class:`CollectiveOps` over them (the
 outer exchange, the agreement, the fingerprint gather), :func:`vote` the one all-reduce
 every participant issues at each decision point of a cycle, whatever failed before it, and
-:func:`fresh_groups` the groups themselves, each configured under a store prefix never used
-before (a restarted lighthouse numbers its quorums from 1 again).
+:func:`fresh_groups` the groups themselves, each configured under a store prefix that its
+members agree on and no earlier group used (a restarted lighthouse numbers its quorums from 1
+again).
 """
 
 from __future__ import annotations
 
 import hashlib
+import uuid
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -120,43 +122,88 @@ def torchft_ops(coordinator: "ElasticCoordinator") -> CollectiveOps:
 
 def vote(pg, yes: bool, device: torch.device) -> Optional[bool]:
     """The MIN over the cycle's participants of ``yes`` (one tiny all-reduce on torchft's
-    group ``pg``), None when the all-reduce itself fails. Issued by every participant whose
-    group is usable at the same program point, also after a failure that left it usable
-    (unlike :func:`torchft_ops`' collectives, which turn into no-ops after any failure), so
-    one participant's failure reaches the others at once instead of after a timeout.
-    ``device``: the group's (NCCL's collectives take CUDA tensors only)."""
+    group ``pg``), None when the all-reduce did not complete everywhere. Issued by every
+    participant whose group is usable at the same program point, also after a failure that
+    left it usable (unlike :func:`torchft_ops`' collectives, which turn into no-ops after any
+    failure), so one participant's failure reaches the others at once instead of after a
+    timeout. ``device``: the group's (NCCL's collectives take CUDA tensors only).
+
+    A failed collective shows in one of three ways, each a failed vote: gloo raises at the
+    launch or the wait; torchft's NCCL group, which aborts a collective that outlives its
+    timeout from a timer thread, either returns False from the wait or returns normally (its
+    wait only orders the streams) with the group's ``errored()`` set and the tensor holding
+    whatever the aborted kernel left (the local value, or a partial MIN). The abort sets
+    ``errored()`` before it releases the stream, so it is read after ``t.item()`` (the vote's
+    one host sync): torchft's ``errored()`` then syncs a stream already drained, and no vote
+    read before the abort landed passes for a completed one."""
     from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
     t = torch.tensor([int(yes)], dtype=torch.int64, device=device)
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MIN
-    try:
-        pg.allreduce([t], opts).wait()
-    except Exception:  # noqa: BLE001 - a failed vote is a no, on a group that may be broken now
+    try:  # (a failed vote is a no, on a group that may be broken now)
+        if pg.allreduce([t], opts).wait() is False:
+            return None
+        value = bool(t.item())
+        if pg.errored() is not None:
+            return None
+    except Exception:  # noqa: BLE001
         return None
-    return bool(t.item())
+    return value
 
 
 def fresh_groups(base: type) -> type:
     """torchft's process group class ``base`` (gloo or NCCL), configured under a store prefix
-    that no earlier configuration used. torchft names the prefix after the quorum id
-    (``.../torchft/<quorum id>/<lane>``), and a lighthouse that restarts numbers its quorums
-    from 1 again: the same prefix would then hold the previous incarnation's rendezvous keys
-    on the primary's store, and the new group would connect to addresses long closed (one
-    failed cycle per stale id). Each participant counts its arrival under the prefix, per
-    group size and member set (one atomic add on the store); arrivals come in whole groups,
-    so ``(count - 1) // size`` is the same epoch for every member of this configuration."""
+    that every member of the quorum agrees on and no earlier configuration used.
+
+    torchft names the prefix after the quorum id (``.../torchft/<quorum id>/<lane>``). Within
+    one lighthouse that id is new at every reconfiguration (the lighthouse moves it on when
+    the members change or any member failed its commit), but a lighthouse that restarts
+    numbers its quorums from 1 again: the same prefix would then hold the previous
+    incarnation's rendezvous keys on the primary's store, and the new group would connect to
+    addresses long closed (one failed cycle per stale id). So the members of one
+    configuration (a *visit* of torchft's prefix, per group size and member set) draw a
+    token: each proposes a random one with one compare-and-set on the primary's store, all
+    take the first arriver's, and it names the group's prefix. The token is retired (the key
+    set back to empty) once every member holds it (a barrier: a count under the token, which
+    no other visit touches) or once a member's configuration failed, so the next visit of the
+    key (a restarted lighthouse's) draws a new one: no prefix is used twice.
+
+    Nothing counts visits, because a count cannot tell a visit in progress from an earlier one
+    that a member missed: a member whose configuration failed before it reached the store
+    would put every later visit of that key on split prefixes. Here such a member leaves
+    nothing behind; the others wait for it at the barrier until the group's timeout (as they
+    would in the rendezvous), fail and retire the token, so the miss costs its quorum alone.
+    Only a visit whose members all died between drawing the token and retiring it leaves the
+    token behind (with the primary's job, whose store usually dies too); the next visit of
+    that key may split on it, fails once, and retires it."""
 
     class Fresh(base):
+        configured_at = ""
+        """The store address of the last configuration (torchft's prefix and the token)."""
+
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id=None,
                       group_rank=None, group_world_size=None, global_ranks=None) -> None:
             from torchft.process_group import create_store_client
 
             store = create_store_client(store_addr, timeout=self._timeout)
             members = hashlib.sha256(repr(sorted(global_ranks or [])).encode()).hexdigest()[:12]
-            epoch = (store.add(f"arrivals/{world_size}/{members}", 1) - 1) // world_size
-            super().configure(f"{store_addr}/{world_size}-{members}-{epoch}", replica_id, rank, world_size,
-                              quorum_id, group_rank, group_world_size, global_ranks)
+            key = f"group/{world_size}/{members}"
+            token = store.compare_set(key, "", uuid.uuid4().hex).decode()
+            try:
+                # (past ``world_size`` only on a dead visit's token: the visit fails once and retires it)
+                if store.add(f"{token}/arrived", 1) >= world_size:
+                    store.set(f"{token}/all", "1")
+                try:
+                    store.wait([f"{token}/all"])
+                except Exception as e:  # (the store's own line names only a key)
+                    raise RuntimeError(f"the group of quorum {quorum_id} did not form: not every member reached "
+                                       f"the primary's store within {self._timeout.total_seconds():.0f} s") from e
+            finally:
+                store.compare_set(key, token, "")
+            self.configured_at = f"{store_addr}/{world_size}-{members}-{token}"
+            super().configure(self.configured_at, replica_id, rank, world_size, quorum_id, group_rank,
+                              group_world_size, global_ranks)
 
     Fresh.__name__ = Fresh.__qualname__ = f"Fresh{base.__name__}"
     return Fresh
