@@ -58,6 +58,9 @@ class StoreGroup:
     def configure(self, prefix: str, rank: int, world: int) -> None:
         self.prefix, self.rank, self.world, self.op = prefix, rank, world, 0
 
+    def errored(self):  # (torchft's groups: the error of a collective aborted without raising)
+        return None
+
     def size(self) -> int:
         if not self.world:
             raise RuntimeError("not configured")

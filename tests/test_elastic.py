@@ -434,8 +434,8 @@ def test_bad_replicas_are_refused_in_one_line_and_the_run_goes_on(cache_dir, tmp
     """Guards against a second job with a replica id already live, or a replica with
     another model shape, joining the run (torchft itself tells neither apart: a duplicate
     id gets a fresh suffix, and collectives of mismatched sizes abort the process): each is
-    refused with one line naming the problem (the worker's exit status 2) when it meets the live replica,
-    which trains on to the end."""
+    refused with one line naming the problem (the worker's exit status 2; what differs, by
+    name) when it meets the live replica, which trains on to the end."""
     # (quorum timeout 30 s: the live job waits that long at the start for the replica expected)
     run = Run(tmp_path, cache_dir, replicas=2, iters=40, extra=["--diloco-quorum-timeout-s", "30"])
     try:
@@ -450,8 +450,9 @@ def test_bad_replicas_are_refused_in_one_line_and_the_run_goes_on(cache_dir, tmp
         run.close()
     for name, line in (("duplicate", "pretrain_gpt.py: error: --diloco-replica-id 0: another live job already runs "
                                      "as replica 0 (each replica id once)"),
-                       ("other_shape", "pretrain_gpt.py: error: --diloco-replica-id 1: its model shape or outer settings "
-                                       "differ from the run's (replica 0's)")):
+                       ("other_shape", "pretrain_gpt.py: error: --diloco-replica-id 1: the model (its tensors' names "
+                                       "and shapes) differs from the run's (replica 0's; every replica must use the "
+                                       "same)")):
         errors = [ln for ln in run.log(name).splitlines() if "pretrain_gpt.py: error:" in ln]
         assert errors and all(ln.endswith(line.split("error: ", 1)[1]) for ln in errors), run.log(name)[-3000:]
     assert sorted(train_losses(run.metrics("live"))) == list(range(1, 41))

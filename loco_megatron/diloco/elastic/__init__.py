@@ -13,6 +13,9 @@ One *cycle* per outer step, the same program order on every rank of every replic
 :mod:`.cycle` decides from the gathered fingerprints what the cycle does, :mod:`.agreement`
 makes replicas whose models differ take one, :mod:`.split` shares each step's global batch
 among the live replicas, :mod:`.ops` carries the collectives over torchft's groups, and
-:mod:`.step` drives it all from the training loop (:mod:`.setup` builds it). The one-job
-mode (every replica in one torchrun world) is :mod:`loco_megatron.diloco.outer`.
+:mod:`.step` drives it all from the training loop (:mod:`.setup` builds it). A replica's
+state between cycles is :mod:`.replica`'s; what its ranks must hold alike travels as one
+record (:mod:`.record`); :mod:`.saved` is its checkpoint, :mod:`.final` the run's final
+outer step, :mod:`.waits` what it says while it waits on the others. The one-job mode
+(every replica in one torchrun world) is :mod:`loco_megatron.diloco.outer`.
 """
