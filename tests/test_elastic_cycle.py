@@ -233,6 +233,40 @@ def test_the_lighthouse_status_page_says_who_asked_and_how_far():
     assert parse_status("<html>Directory listing</html>") is None
 
 
+def test_a_listener_that_never_answers_is_refused_after_one_read_timeout():
+    """Guards against a --diloco-lighthouse address held by a listener that accepts and says
+    nothing (not HTTP) costing three full read timeouts of retries (~30 s) before its line:
+    a reply that times out on an accepted connection is not asked again."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+    stop = threading.Event()
+
+    def accept():  # (accepts every connection and keeps it open, silent)
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    address = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        with pytest.raises(ConfigError, match="accepts connections but does not answer as a torchft lighthouse"):
+            read_status(address, timeout_s=2.0)
+        assert len(held) == 1  # (one read: it was not asked again)
+    finally:
+        stop.set()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
 def _replay(rng: random.Random, mode: str, cycles: int) -> None:
     """One random membership history through the split: replicas come (fresh, or restarted
     from a checkpoint with the split it saved), go, miss quorums, heal; every cycle that
