@@ -21,8 +21,9 @@ from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash, tensor_sums
 from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Fingerprint,
                                                 combine, live_mask, missing, plan, progress, settings_parts)
-from loco_megatron.diloco.elastic.lighthouse import check_lighthouse, parse_status, read_status
+from loco_megatron.diloco.elastic.lighthouse import Status, check_lighthouse, parse_status, read_status
 from loco_megatron.diloco.elastic.split import Member, Share, next_split, split_id
+from loco_megatron.diloco.elastic.waits import WaitNotice
 
 GBS = 12
 
@@ -113,6 +114,18 @@ def test_a_refusal_names_the_setting_that_differs():
     assert "--diloco-replica-id 1: --diloco-inner-steps differs from the run's (replica 0's" in cycle.refused
     many, _ = settings_parts([(f"--s{i}", i) for i in range(40)])
     assert len(many) == 24 and many[-1] == "the other shared settings"
+
+
+def test_the_final_cycles_fragments_are_the_most_advanced_contributors_for_all():
+    """Guards against replicas that disagreed on the last commit exchanging different
+    fragment sets in the run's final cycle (issue 55: each took its set from its own record
+    of the last commit, and they ended on different final models): every participant takes
+    the most advanced contributor's verdict (a healed one's is the source's: it sends zeros)."""
+    behind = [fp(0, outer_steps=3, synced=True, state=5), fp(1, outer_steps=2, synced=False, state=5)]
+    assert plan(behind, 0, 2, 1, "fixed", GBS).synced is True
+    assert plan(behind[::-1], 1, 2, 1, "fixed", GBS).synced is True
+    healed = [fp(0, outer_steps=3, synced=False, state=5), fp(1, outer_steps=3, synced=True, healed=True, state=5)]
+    assert plan(healed, 0, 2, 1, "fixed", GBS).synced is False
 
 
 def test_a_joiner_with_another_inner_optimizer_is_refused_alone():
@@ -265,6 +278,36 @@ def test_a_listener_that_never_answers_is_refused_after_one_read_timeout():
         for conn in held:
             conn.close()
         server.close()
+
+
+def test_a_long_wait_on_other_replicas_says_for_what_and_whom_and_when_it_ended():
+    """Guards against silent waits (issue 55: a live replica blocked for the exchange timeout
+    by a peer stalled inside a cycle, or for a lighthouse outage, printed nothing): past its
+    threshold a wait names its phase, iteration and the replicas whose heartbeat stopped
+    (or the lighthouse not answering), and says when it ended; a short wait says nothing."""
+    lines: list[str] = []
+    status = Status(3, "New quorum not ready, only have 1 participants", [],
+                    {"replica0:aa": 0.1, "replica1:bb": 12.0, "replica2:cc": 0.3})
+    notice = WaitNotice(lines.append, lambda: ("fingerprint", 8, [0, 1]), lambda: status, after_s=0.0)
+    with notice:
+        time.sleep(1.5)  # (the watcher looks once a second)
+    assert len(lines) == 2, lines
+    assert "for the replicas' fingerprints at iteration 8 among replicas 0, 1: replica 1 has not heartbeaten " \
+           "for 12 s (stalled, cut off or gone)" in lines[0] and lines[0].startswith("DiLoCo: waiting ")
+    assert lines[1].startswith("DiLoCo: the wait at iteration 8 ended after ")
+
+    def down():
+        raise ConfigError("--diloco-lighthouse: http://lh:1 cannot be reached (refused); start it with ...")
+
+    outage = WaitNotice(lines.append, lambda: ("quorum", 9, [0, 1]), down)
+    assert outage.describe(12.0) == ("DiLoCo: waiting 12 s for the quorum at iteration 9 among replicas 0, 1: the "
+                                     "lighthouse does not answer (http://lh:1 cannot be reached (refused))")
+    live = WaitNotice(lines.append, lambda: ("outer", 4, [0, 2]), lambda: status)
+    assert live.describe(30.0).endswith("every replica heartbeats (one is slow to reach this point of the cycle)")
+    lines.clear()
+    with WaitNotice(lines.append, lambda: ("outer", 4, [0, 1]), lambda: status, after_s=30.0):
+        time.sleep(1.2)
+    assert lines == []
 
 
 def _replay(rng: random.Random, mode: str, cycles: int) -> None:
