@@ -224,6 +224,14 @@ class Replica:
             rules=Rules(replicas, 1, 2))
         if initial is not None:
             self._set_share(initial.offset, initial.samples)
+        self.heals = 0  # heals taken since this job started
+        heal = self.outer._heal
+
+        def counted(cycle) -> None:
+            self.heals += 1
+            heal(cycle)
+
+        self.outer._heal = counted
 
     def bind(self) -> None:
         """What the trainer binds after its checkpoint is loaded (training/setup.py's bind_heal)."""
@@ -287,7 +295,7 @@ class Replica:
                 "outer_steps": self.outer.outer_steps, "split": self.outer.split_id,
                 "share": None if share is None else [share.offset, share.samples],
                 "data_share": None if self.data_share is None else list(self.data_share),
-                "live": list(self.coordinator.live), "laid": self.laid,
+                "live": list(self.coordinator.live), "laid": self.laid, "heals": self.heals,
                 "rows": getattr(self.outer.channels["fragment0"][1], "world", None),
                 "state": state_hash(self.outer.agreed, self.outer.momentum, self.outer.outer_steps)
                 if self.rank == 0 else None}

@@ -266,12 +266,14 @@ def test_unequal_shares_cover_each_batch_once_through_a_death_and_a_rejoin(cache
     replica 1 restarts from its checkpoint it heals, the split is 8 and 4 again from the
     outer step it joins at, and its agreed parameters equal the survivor's bit for bit
     after every outer step. Each replica reports its batch share, its time at outer steps
-    and its inner steps."""
+    and its inner steps. With --diloco-sync-delay 1 (replica 1's checkpoint at 4 is written
+    with the exchange of 4 in flight; it heals past it) and the survivor's exchange of the
+    cycle at 20 lost (discarded on both at 21)."""
     gbs = 12
     run = Run(tmp_path, cache_dir, replicas=2, iters=24,
-              extra=["--global-batch-size", str(gbs), "--diloco-batch-split", "weight"])
+              extra=["--global-batch-size", str(gbs), "--diloco-batch-split", "weight", "--diloco-sync-delay", "1"])
     try:
-        run.start("r0", 0, "--diloco-replica-weight", "2", env=run.hold(15))
+        run.start("r0", 0, "--diloco-replica-weight", "2", env={**run.hold(15), "LOCO_TEST_FAULTS": "outer@20=lost"})
         run.start("r1", 1, "--save", str(tmp_path / "ck1"), "--save-interval", "4")
         run.wait_iteration("r1", 6)
         run.kill("r1")
@@ -300,6 +302,8 @@ def test_unequal_shares_cover_each_batch_once_through_a_death_and_a_rejoin(cache
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), (it, ranges)  # never a sample twice
         if it > rejoin["iteration"] or it <= 4:  # both live: the shares cover the batch
             assert ranges == [(0, 8), (8, 12)], (it, ranges)
+    assert any(d["at"] == "fault" and d["iteration"] == 20 for d in run.dumps(0))
+    assert "DiLoCo: the outer step was discarded (RuntimeError: injected loss" in log0, log0[-3000:]
     alone = [it for it in zero if zero[it] == [(0, 12)]]
     assert alone and max(alone) <= rejoin["iteration"] and min(alone) > 6, alone  # after the death, before the rejoin
     shares = {m["diloco/share_samples"] for m in run.metrics("r0") if "diloco/share_samples" in m}

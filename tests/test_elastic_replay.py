@@ -62,6 +62,9 @@ def check(scripts: list[dict], got: list[dict]) -> None:
             assert {f: host[f] for f in fields} == {f: other[f] for f in fields}, (h, k, r, host, other, script)
             if host["share"] is not None:
                 assert host["data_share"] == host["share"], (h, k, r, host)
+            before = by.get((k - 1, r), {0: {"heals": 0}})[0]["heals"] if not script["rounds"][k][str(r)].startswith(
+                "restart") else 0
+            assert host["heals"] - before <= 1, (h, k, r, host, script)  # (a heal taken twice in one round)
         for k, actions in enumerate(script["rounds"]):
             members = [r for r in members_of(actions) if (k, r) in by]
             lives = {tuple(by[k, r][0]["live"]) for r in members}

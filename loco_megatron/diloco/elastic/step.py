@@ -115,6 +115,7 @@ class ElasticOuterStep(EndOfRun, ReplicaCheckpoint):
         while True:
             if self._ended_without_this_replica(joining):
                 return None, False
+            t = max(t, self._iteration())  # (a heal in an attempt asked again moved this replica on)
             with self.coordinator.waiting:  # (a line while it waits long on other replicas, and when it ends)
                 cycle, committed, again = self._attempt(t, joining, ready, recheck)
             if again is None or (joining and again != RECHECK):
