@@ -145,11 +145,16 @@ def test_replica_streams_are_disjoint_and_cover_every_step_across_share_changes(
     (["--diloco-replicas", "3", "--diloco-lighthouse", "http://h:1", "--diloco-replica-id", "0",
       "--diloco-batch-split", "throughput", "--global-batch-size", "4", "--micro-batch-size", "2"],
      "--global-batch-size: 4 is not a multiple of 2 samples"),
+    (["--diloco-replicas", "2", "--diloco-lighthouse", "http://h:1", "--diloco-replica-id", "0",
+      "--diloco-quorum-timeout-s", "5"], "--diloco-quorum-timeout-s: 5 s is below 10 s: a replica that dies would "
+                                         "end the run"),
 ])
 def test_bad_batch_split_flags_are_one_line(argv, message):
     """Guards against a split asked of a one-job run (its replicas are one world and must be
-    equal), a weight that the fixed split would silently ignore, a zero weight, and a global
-    batch too small to give every replica a share: each is one line naming the flag."""
+    equal), a weight that the fixed split would silently ignore, a zero weight, a global
+    batch too small to give every replica a share, and a quorum timeout that the first
+    death would run out (issue 55: timeouts that cannot work together): each is one line
+    naming the flag."""
     from loco_megatron.cli import parse_config
     from loco_megatron.config import ConfigError
 

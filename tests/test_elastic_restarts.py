@@ -70,7 +70,7 @@ def test_too_few_replicas_never_end_on_the_initial_weights(cache_dir, tmp_path):
     the checkpoint's agreed model (the initial one)."""
     save = tmp_path / "ck"
     run = Run(tmp_path, cache_dir, replicas=2, iters=8,
-              extra=["--diloco-min-replicas", "2", "--diloco-quorum-timeout-s", "5", "--save", str(save)])
+              extra=["--diloco-min-replicas", "2", "--diloco-quorum-timeout-s", "10", "--save", str(save)])
     try:
         run.start("r0", 0)
         code = run.finish("r0")

@@ -83,7 +83,8 @@ class DiLoCoConfig:
     exchange is not applied and the replicas keep training on their own."""
     diloco_quorum_timeout_s: float = 900.0
     """Elastic DiLoCo: how long an outer step (or a joining replica) waits for the quorum:
-    more than an outer interval (H steps) plus the slowest replica's lag."""
+    more than an outer interval (H steps) plus the slowest replica's lag, at least 10 s;
+    after a failed attempt it counts from that failure."""
     diloco_exchange_timeout_s: float = 120.0
     """Elastic DiLoCo: the timeout of each collective between replicas, of the heal
     transfer and of the commit: what a replica dying inside an exchange costs the others
@@ -121,8 +122,11 @@ class DiLoCoConfig:
                     f"{self.diloco_replicas})")
             require(1 <= self.diloco_min_replicas <= self.diloco_replicas, "diloco_min_replicas",
                     f"{self.diloco_min_replicas} is not in 1 ... --diloco-replicas ({self.diloco_replicas})")
-            require(self.diloco_quorum_timeout_s > 0, "diloco_quorum_timeout_s",
-                    f"{self.diloco_quorum_timeout_s} is not > 0")
+            # (a quorum that misses a replica of the last cycle is asked again 5 s later,
+            # ElasticOuterStep.recheck_s: a shorter timeout ends the run at the first death)
+            require(self.diloco_quorum_timeout_s >= 10, "diloco_quorum_timeout_s",
+                    f"{self.diloco_quorum_timeout_s:g} s is below 10 s: a replica that dies would end the run (the "
+                    f"live ones ask the lighthouse again 5 s after a quorum that misses it)")
             require(self.diloco_exchange_timeout_s > 0, "diloco_exchange_timeout_s",
                     f"{self.diloco_exchange_timeout_s} is not > 0")
             require(self.diloco_outer_ranks is None or self.diloco_outer_ranks >= 1, "diloco_outer_ranks",
