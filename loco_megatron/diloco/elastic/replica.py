@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-
 from loco_megatron.diloco.elastic.agreement import state_hash
 from loco_megatron.diloco.elastic.coordinator import ElasticCoordinator
 from loco_megatron.diloco.elastic.cycle import INNER_OPTIMIZERS, Cycle, Fingerprint, live_mask, plan
