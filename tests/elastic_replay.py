@@ -309,10 +309,13 @@ def members_of(actions: dict) -> list[int]:
 def run_history(script: dict, h: int, replica: int, rank: int, control, store) -> list[dict]:
     """One scripted history on this rank; its reports."""
     logs: list = []
+    reports: list = []
     if os.environ.get("LOCO_REPLAY_LOG") and rank == 0:  # (debugging a history: its lines on stderr)
         logs = type("Echo", (list,), {"append": lambda self, line: print(f"h{h} replica {replica}: {line}",
                                                                           file=__import__("sys").stderr)})()
-    me, saved, reports = None, {}, []
+    me, saved = None, {}
+    if replica >= script["replicas"]:
+        return reports  # (a history of fewer replicas than this spawn has: this one sits it out)
     for k, actions in enumerate(script["rounds"]):
         action, *flags = actions[str(replica)].split("+")
         key = f"h{h}/r{k}"

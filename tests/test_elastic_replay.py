@@ -123,25 +123,65 @@ def random_script(rng: random.Random, mode: str, tau: int, rounds: int = 10) -> 
     return script
 
 
-def test_every_rank_of_a_healed_replica_takes_the_whole_split():
+HEALED = {"replicas": 2, "mode": "weight", "tau": 0, "H": 4, "weights": {"0": 1, "1": 2},
+          "rounds": [{"0": "restart:fresh", "1": "restart:fresh"}, {"0": "train", "1": "train+save"},
+                     {"0": "train+save", "1": "train"}, {"0": "die", "1": "die"},
+                     {"0": "restart:2", "1": "restart:1"}, {"0": "train", "1": "train"}]}
+
+
+def in_flight(lose: bool) -> dict:
+    second = "train+save+lose" if lose else "train+save"
+    return {"replicas": 2, "mode": "weight", "tau": 1, "H": 4, "weights": {"0": 1, "1": 1},
+            "rounds": [{"0": "restart:fresh", "1": "restart:fresh"}, {"0": "train", "1": "train"},
+                       {"0": second, "1": "train+save"}, {"0": "die", "1": "die"},
+                       {"0": "restart:2", "1": "restart:2"}, {"0": "train", "1": "train"},
+                       {"0": "train", "1": "train"}]}
+
+
+TWO = {"0": "train", "1": "train", "2": "dead"}
+LAID = {"replicas": 3, "mode": "weight", "tau": 0, "H": 4, "quorum_timeout": 2, "weights": {"0": 1, "1": 1, "2": 1},
+        "rounds": [{"0": "restart:fresh", "1": "restart:fresh", "2": "dead"}, TWO,
+                   {**TWO, "0": "train+lose"}, TWO, {"0": "train+save", "1": "train+save", "2": "dead"},
+                   {"0": "die", "1": "die", "2": "dead"},
+                   {"0": "restart:4", "1": "restart:4", "2": "dead"}, TWO, TWO]}
+
+RANDOM = [("weight", 0), ("throughput", 1), ("fixed", 1)]
+
+
+@pytest.fixture(scope="module")
+def replayed() -> dict:
+    """Every history of this file in one spawn (name -> (scripts, what the ranks reported)):
+    the 6 processes start once."""
+    named = {"healed": [HEALED], "in_flight": [in_flight(False)], "in_flight_lost": [in_flight(True)],
+             "laid": [LAID]}
+    for mode, tau in RANDOM:
+        rng = random.Random(f"{mode}{tau}")
+        named[f"random-{mode}-{tau}"] = [random_script(rng, mode, tau) for _ in range(4)]
+    scripts = [s for group in named.values() for s in group]
+    got = replay(scripts)
+    out, at = {}, 0
+    for name, group in named.items():
+        out[name] = (group, [{**g, "histories": g["histories"][at:at + len(group)]} for g in got])
+        at += len(group)
+    return out
+
+
+def test_every_rank_of_a_healed_replica_takes_the_whole_split(replayed):
     """Guards against a heal that reaches only a replica's lane host (issue 55, item 1: the
     split was sent to non-hosts without its shares, so rank 1 kept ``share=None`` and its
     data iterator its old share, while rank 0 trained the healed one; under TP/PP the ranks
-    of one replica then train different micro-batches). Two replicas of 2 ranks under
-    ``weight``: a whole-run restart from checkpoints of other rounds heals replica 1 from
-    replica 0, whose split already holds it (no re-split follows)."""
-    script = {"replicas": 2, "mode": "weight", "tau": 0, "H": 4, "weights": {"0": 1, "1": 2},
-              "rounds": [{"0": "restart:fresh", "1": "restart:fresh"}, {"0": "train", "1": "train+save"},
-                         {"0": "train+save", "1": "train"}, {"0": "die", "1": "die"},
-                         {"0": "restart:2", "1": "restart:1"}, {"0": "train", "1": "train"}]}
-    got = replay([script])
-    check([script], got)
+    of one replica then train different micro-batches), and against a resumed replica whose
+    data iterator reads no share at all (it keeps none: the record's must reach it). Two
+    replicas of 2 ranks under ``weight``: a whole-run restart from checkpoints of other
+    rounds heals replica 1 from replica 0, whose split already holds it (no re-split)."""
+    scripts, got = replayed["healed"]
+    check(scripts, got)
     r1 = [rep for g in got if g["replica"] == 1 for rep in g["histories"][0] if rep["round"] == 4]
     assert all(rep["share"] == [4, 8] and rep["data_share"] == [4, 8] for rep in r1), r1
 
 
 @pytest.mark.parametrize("lose", [False, True])
-def test_a_resume_from_a_save_with_an_exchange_in_flight_reopens_nothing(lose):
+def test_a_resume_from_a_save_with_an_exchange_in_flight_reopens_nothing(replayed, lose):
     """Guards against a checkpoint that stored a delayed exchange in flight (issue 55, item
     2: its uncommitted mean was saved as pending; a resume then closed a cycle it never
     opened, committing the saved mean outside any quorum on a yes vote, or dying with
@@ -149,14 +189,8 @@ def test_a_resume_from_a_save_with_an_exchange_in_flight_reopens_nothing(lose):
     round 2 with its exchange in flight (with ``lose``, that exchange fails on replica 0 and
     the cycle is discarded), then both die; restarted from those checkpoints they agree at
     round 4 and train on: one outer state, no extra outer step."""
-    second = "train+save+lose" if lose else "train+save"
-    script = {"replicas": 2, "mode": "weight", "tau": 1, "H": 4, "weights": {"0": 1, "1": 1},
-              "rounds": [{"0": "restart:fresh", "1": "restart:fresh"}, {"0": "train", "1": "train"},
-                         {"0": second, "1": "train+save"}, {"0": "die", "1": "die"},
-                         {"0": "restart:2", "1": "restart:2"}, {"0": "train", "1": "train"},
-                         {"0": "train", "1": "train"}]}
-    got = replay([script])
-    check([script], got)
+    scripts, got = replayed["in_flight_lost" if lose else "in_flight"]
+    check(scripts, got)
     reports = {(rep["round"], g["replica"]): rep for g in got if g["rank"] == 0 for rep in g["histories"][0]}
     # Outer steps: the cycle of round 1 (closed at 5), and round 2's only if it committed
     # (closed at 9, after the save: the resume is at 8 with round 1's step only); round 4
@@ -165,7 +199,7 @@ def test_a_resume_from_a_save_with_an_exchange_in_flight_reopens_nothing(lose):
     assert reports[6, 0]["outer_steps"] == 2 and reports[6, 0]["state"] == reports[6, 1]["state"], reports
 
 
-def test_the_outer_exchange_is_laid_for_its_replicas_and_only_when_they_change():
+def test_the_outer_exchange_is_laid_for_its_replicas_and_only_when_they_change(replayed):
     """Guards against a resume whose checkpoint was laid for fewer replicas than expected
     running a 3-row exchange over 2 participants (its error buffers kept, phase 2 failed with
     ``allgather: invalid tensor size`` and every outer step was lost), and against a
@@ -174,28 +208,19 @@ def test_the_outer_exchange_is_laid_for_its_replicas_and_only_when_they_change()
     without the third after the quorum timeout), lose one exchange (discarded, then kept
     laid), save, die and resume from those checkpoints: the channels have 2 rows from the
     resume on, were never laid again after the discard, and outer steps commit."""
-    two = {"0": "train", "1": "train", "2": "dead"}
-    script = {"replicas": 3, "mode": "weight", "tau": 0, "H": 4, "quorum_timeout": 2,
-              "weights": {"0": 1, "1": 1, "2": 1},
-              "rounds": [{"0": "restart:fresh", "1": "restart:fresh", "2": "dead"}, two,
-                         {**two, "0": "train+lose"}, two, {"0": "train+save", "1": "train+save", "2": "dead"},
-                         {"0": "die", "1": "die", "2": "dead"},
-                         {"0": "restart:4", "1": "restart:4", "2": "dead"}, two, two]}
-    got = replay([script])
-    check([script], got)
+    scripts, got = replayed["laid"]
+    check(scripts, got)
     reports = {(rep["round"], g["replica"]): rep for g in got if g["rank"] == 0 for rep in g["histories"][0]}
     assert [reports[k, 0]["laid"] for k in range(1, 5)] == [1, 1, 1, 1], reports  # (laid at round 1, never again)
     assert all(reports[k, r]["rows"] == 2 for k in (6, 7, 8) for r in (0, 1)), reports
     assert reports[8, 0]["outer_steps"] == reports[4, 0]["outer_steps"] + 2, reports  # (rounds 7 and 8 committed)
 
 
-@pytest.mark.parametrize("mode,tau", [("weight", 0), ("throughput", 1), ("fixed", 1)])
-def test_random_histories_keep_every_rank_of_a_replica_alike(mode, tau):
+@pytest.mark.parametrize("mode,tau", RANDOM)
+def test_random_histories_keep_every_rank_of_a_replica_alike(replayed, mode, tau):
     """Guards against any seam where a piece of replica state reaches some ranks of a replica
-    and not others, or a split kept across a change of replicas: random histories of 10
-    rounds over 3 replicas of 2 ranks (deaths, stalls that leave a replica behind, fresh
-    restarts and restarts from older checkpoints saved with an exchange in flight, lost
-    exchanges that discard a cycle), checked after every round."""
-    rng = random.Random(f"{mode}{tau}")
-    scripts = [random_script(rng, mode, tau) for _ in range(4)]
-    check(scripts, replay(scripts))
+    and not others, a split kept across a change of replicas, or a heal taken twice: random
+    histories of 10 rounds over 3 replicas of 2 ranks (deaths, stalls that leave a replica
+    behind, fresh restarts and restarts from older checkpoints saved with an exchange in
+    flight, lost exchanges that discard a cycle), checked after every round."""
+    check(*replayed[f"random-{mode}-{tau}"])
