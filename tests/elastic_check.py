@@ -27,6 +27,10 @@ and SIGSTOPs itself (a stalled node, at a known step: a test continues it).
 before the cycle at iteration ``T`` (a rank that arrives late: the others wait on it).
 ``LOCO_TEST_PERTURB=1``: before its join the replica's agreed parameters move by 1e-3 on
 its lane hosts (replicas whose states differ at the start: they must agree on one).
+``LOCO_TEST_DUMP_LAYS=1``: each re-lay of the channels (other replicas take part) appends
+``{"at": "lay", "iteration", "for", "before", "after", "nonzero", "dropped"}``: the digests of
+the SparseLoCo error buffers (the channels whose state outlives a re-lay) before and after
+it, whether they held anything before, and whether the re-lay dropped other error buffers.
 """
 
 import hashlib
@@ -146,6 +150,24 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         return work
 
     exchange.OuterChannel.start = start_then_die
+    if os.environ.get("LOCO_TEST_DUMP_LAYS"):
+        lay = outer._lay
+
+        def errors() -> dict:
+            return {k: ch.comp1.error for k, (_, ch, _, _) in outer.channels.items()
+                    if getattr(ch, "world_independent", False) and ch.comp1 is not None}
+
+        def laid(contributors: tuple) -> bool:
+            before, nonzero = _digest(errors()), any(bool(e.any()) for e in errors().values())
+            dropped = lay(contributors)
+            record = {"at": "lay", "iteration": outer._progress().get("iteration", now["t"]),
+                      "for": list(contributors), "before": before, "after": _digest(errors()), "nonzero": nonzero,
+                      "dropped": dropped}
+            with out.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            return dropped
+
+        outer._lay = laid
     return outer
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loco_megatron.diloco.sparse.chunks import ChunkPlan, index_bits, plan_of_slices, tile_side
+from loco_megatron.diloco.sparse.chunks import ChunkPlan, index_bits, slice_pieces, tile_side
 from loco_megatron.diloco.sparse.codec import (RANGE_SIGMAS, PayloadLayout, choose, decode, encode, pack_bits,
                                                quantise, scatter_add_, unpack_bits)
 from loco_megatron.diloco.sparse.compressor import SparseCompressor
@@ -68,13 +68,12 @@ def test_positions_past_two_to_the_31_are_exact():
     assert ok[-1].tolist() == [True, False] and ok[-2].tolist() == [True, True]
 
 
-def test_plan_of_slices_uses_the_parameters_shapes():
+def test_one_job_shards_are_cut_by_their_parameters_shapes():
     """Guards against the one-job mode's shard (parameter ranges) chunked without its
     parameters' shapes: a 2-D weight would never be tiled."""
     w = torch.zeros(8, 12)
-    plan = plan_of_slices([(w, 0, 96), (torch.zeros(5), 1, 4)], [96, 3], 16)
+    plan = ChunkPlan(slice_pieces([(w, 0, 96), (torch.zeros(5), 1, 4)]), 16)
     assert [(s.side, s.numel) for s in plan.segments] == [(4, 96), (0, 3)]
-    assert [s.side for s in plan_of_slices(None, [96, 3], 16).segments] == [0, 0]
 
 
 def test_top_k_is_the_largest_magnitudes_of_each_chunk():

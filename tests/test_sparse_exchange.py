@@ -198,3 +198,35 @@ class _LocalOps:
 
     def get_rank(self, group):
         return 0
+
+
+def test_a_re_lay_keeps_the_sparse_error_buffers_and_drops_the_dense_ones():
+    """Guards against elastic DiLoCo's re-lay (other replicas leave or join: every channel
+    made anew for the new count) zeroing SparseLoCo's error buffers, which are this
+    replica's own unsent outer gradient whatever the replica count (the survivor would lose
+    it), and against it keeping a dense exchange's, whose rows are per replica; the re-lay
+    reports whether it dropped any (its one line says so)."""
+    import types
+
+    from loco_megatron.diloco.elastic.saved import ReplicaCheckpoint
+
+    plan = ChunkPlan(PIECES, CHUNK)
+
+    def sparse(world: int) -> SparseChannel:
+        return SparseChannel(plan, None, K, 2, world=world, ops=_LocalOps())
+
+    def dense(world: int) -> OuterChannel:
+        return OuterChannel(NUMEL, None, 4, 16, world=world, ops=_LocalOps(), stream_rank=0)
+
+    makers = {"fragment0": sparse, "fragment1": dense}
+    step = types.SimpleNamespace(channels={k: (None, m(3), 0, i) for i, (k, m) in enumerate(makers.items())},
+                                 _relay=lambda key, world: makers[key](world), _laid_for=(0, 1, 2))
+    step.channels["fragment0"][1].compressor.error.copy_(torch.arange(NUMEL, dtype=torch.float32))
+    dropped = ReplicaCheckpoint._lay(step, (0, 2))
+    assert dropped and step._laid_for == (0, 2)
+    kept = step.channels["fragment0"][1]
+    assert kept.world == 2 and torch.equal(kept.compressor.error, torch.arange(NUMEL, dtype=torch.float32))
+    assert step.channels["fragment1"][1].world == 2
+    step.channels = {"fragment0": step.channels["fragment0"]}
+    assert not ReplicaCheckpoint._lay(step, (0, 1, 2))
+    assert torch.equal(step.channels["fragment0"][1].compressor.error, torch.arange(NUMEL, dtype=torch.float32))

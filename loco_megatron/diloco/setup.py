@@ -12,6 +12,8 @@ from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.fragments import fragment_of
 from loco_megatron.diloco.outer import OuterStep, ShardViews
 from loco_megatron.diloco.schedule import FragmentSchedule
+from loco_megatron.diloco.sparse.channel import SparseChannel
+from loco_megatron.diloco.sparse.chunks import ChunkPlan, slice_pieces
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
@@ -65,7 +67,19 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     options = QuantOptions(**lc.options_for(d.diloco_outer_bits), seed=lc.loco_quant_seed)
     workspace = Workspace()
 
-    def channel_maker(numel: int, key: str, device, group, ops, stream_rank, exact: bool = False):
+    def channel_maker(numel: int, key: str, device, group, ops, stream_rank, exact: bool = False,
+                      pieces: Optional[list] = None):
+        """``make(world)``: a new channel of ``numel`` elements (``pieces``: the shard's
+        ``(length, shape, start)`` runs, :mod:`.sparse.chunks`; SparseLoCo tiles by them)."""
+        if d.sparse_outer and not exact:  # (a tied embedding's two copies stay exact: see _shard_channels)
+            plan = ChunkPlan(pieces or [(numel, (numel,), 0)], d.diloco_outer_chunk, device)
+
+            def make_sparse(world: Optional[int] = None) -> SparseChannel:
+                return SparseChannel(plan, group, d.diloco_outer_topk, d.diloco_outer_bits, d.diloco_outer_beta,
+                                     d.diloco_outer_error_feedback, device, name=key, ops=ops, clock=stats.clock,
+                                     world=world, mean=d.diloco_outer_topk_mean)
+            return make_sparse
+
         def make(world: Optional[int] = None) -> OuterChannel:
             return OuterChannel(numel, group, 0 if exact else d.diloco_outer_bits, lc.loco_block_size,
                                 options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, device,
@@ -118,6 +132,7 @@ def _shard_channels(config: Config, optimizer, fragment: Callable, group, ops: C
         for f, tied in sorted(per_channel):
             views = ShardViews([v for v, _ in per_channel[f, tied]], [s for _, s in per_channel[f, tied]])
             key = f"opt{i}.fragment{f}" + (".tied" if tied else "")
-            makers[key] = channel_maker(views.numel, key, views.views[0].device, group, ops, None, exact=tied)
+            makers[key] = channel_maker(views.numel, key, views.views[0].device, group, ops, None, exact=tied,
+                                        pieces=slice_pieces(views.slices))
             channels[key] = (views, makers[key](), i, f)
     return channels, makers

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -142,10 +142,8 @@ def _cuts(length: int, shape: tuple, start: int, side: int) -> Iterator[tuple[in
         yield start, end, 0, 0
 
 
-def plan_of_slices(slices: Optional[Sequence[tuple]], sizes: Sequence[int], chunk: int, device=None) -> ChunkPlan:
-    """The plan of a one-job shard: ``slices`` (:attr:`~loco_megatron.diloco.outer.ShardViews.slices`,
-    ``(param, start, end)`` per view) give each piece its tensor's shape; without them
-    (``None``) each of the ``sizes`` is a flat piece."""
-    if slices is None:
-        return ChunkPlan([(n, (n,), 0) for n in sizes], chunk, device)
-    return ChunkPlan([(end - start, tuple(p.shape), start) for p, start, end in slices], chunk, device)
+def slice_pieces(slices: Sequence[tuple]) -> list[tuple[int, tuple, int]]:
+    """The pieces of a one-job shard: per ``(param, start, end)`` of
+    :attr:`~loco_megatron.diloco.outer.ShardViews.slices`, its elements of the parameter's
+    local (TP/PP/EP) shape."""
+    return [(end - start, tuple(p.shape), start) for p, start, end in slices]
