@@ -30,7 +30,8 @@ its lane hosts (replicas whose states differ at the start: they must agree on on
 ``LOCO_TEST_DUMP_LAYS=1``: each re-lay of the channels (other replicas take part) appends
 ``{"at": "lay", "iteration", "for", "before", "after", "nonzero", "dropped"}``: the digests of
 the SparseLoCo error buffers (the channels whose state outlives a re-lay) before and after
-it, whether they held anything before, and whether the re-lay dropped other error buffers.
+it, whether they held anything before, and whether the re-lay dropped other error buffers;
+and every other line gets ``errors``: whether those buffers hold anything.
 """
 
 import hashlib
@@ -69,10 +70,18 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
     die_at = int(os.environ.get("LOCO_TEST_DIE_IN_EXCHANGE", "0"))
     now = {"t": 0}
 
+    lays = bool(os.environ.get("LOCO_TEST_DUMP_LAYS"))
+
+    def errors() -> dict:
+        return {k: ch.comp1.error for k, (_, ch, _, _) in outer.channels.items()
+                if getattr(ch, "world_independent", False) and ch.comp1 is not None}
+
     def dump(at: str, t: int) -> None:
         record = {"at": at, "iteration": outer._progress().get("iteration", t), "outer_steps": outer.outer_steps,
                   "agreed": _digest(outer.agreed), "momentum": _digest(outer.momentum), "steps": list(STEPS),
                   "live": outer.coordinator.live}
+        if lays:
+            record["errors"] = any(bool(e.any()) for e in errors().values())
         STEPS.clear()
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -150,12 +159,8 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         return work
 
     exchange.OuterChannel.start = start_then_die
-    if os.environ.get("LOCO_TEST_DUMP_LAYS"):
+    if lays:
         lay = outer._lay
-
-        def errors() -> dict:
-            return {k: ch.comp1.error for k, (_, ch, _, _) in outer.channels.items()
-                    if getattr(ch, "world_independent", False) and ch.comp1 is not None}
 
         def laid(contributors: tuple) -> bool:
             before, nonzero = _digest(errors()), any(bool(e.any()) for e in errors().values())
