@@ -8,7 +8,7 @@ import torch
 
 from loco_megatron.diloco.sparse.chunks import ChunkPlan, index_bits, slice_pieces, tile_side
 from loco_megatron.diloco.sparse.codec import (RANGE_SIGMAS, PayloadLayout, choose, decode, encode, pack_bits,
-                                               quantise, scatter_add_, unpack_bits)
+                                               quantise, scatter_add_, sender_weight, unpack_bits)
 from loco_megatron.diloco.sparse.compressor import SparseCompressor
 
 # a flat bias, a whole 2-D weight, a 2-D weight's shard that starts and ends inside bands of
@@ -162,12 +162,12 @@ def test_payload_is_fixed_size_and_decodes_to_what_was_sent(bits):
     def whole_words(nbits: int) -> int:  # bytes, rounded up to a multiple of 4
         return -(-nbits // 32) * 4
 
-    assert layout.nbytes == (whole_words(entries * 4) + whole_words(entries * vb)  # 4-bit indices into 16
+    assert layout.nbytes == (4 + whole_words(entries * 4) + whole_words(entries * vb)  # weight, 4-bit indices
                              + (plan.groups * (1 << bits) * 4 if bits else 0))
     for seed in range(3):
         e = torch.randn(plan.numel, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
-        payload, sent = encode(e, plan, layout)
-        assert payload.numel() == layout.nbytes
+        payload, sent = encode(e, plan, layout, weight=0.25 * seed)
+        assert payload.numel() == layout.nbytes and sender_weight(payload, layout).item() == 0.25 * seed
         got = decode(payload, plan, layout)
         assert all(torch.equal(a, b) for a, b in zip(sent, got))
         if not bits:

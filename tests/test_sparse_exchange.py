@@ -35,13 +35,19 @@ def _reference_sum(entries, world: int) -> torch.Tensor:
     return out
 
 
-def _exchanges(rank: int, world: int, bits: int, mean: str) -> dict:
+def _exchanges(rank: int, world: int, bits: int, mean: str, weighted: bool = False) -> dict:
+    """Four exchanges of this rank's deltas (rank 1 sends zeros at the third, its buffer
+    emptied: a replica that just healed), against the reference. ``weighted``: each rank's
+    delta scaled by its weight (0.5, 1.5, 1.0: unequal sites' samples), which the mean over
+    an entry's senders renormalises by."""
     plan = ChunkPlan(PIECES, CHUNK)
     channel = SparseChannel(plan, None, K, bits, beta=BETA, name=f"t{bits}", mean=mean)
     twin = SparseChannel(plan, None, K, bits, beta=BETA, name="twin")  # the same compressor, driven by hand
+    weight = (0.5, 1.5, 1.0)[rank] if weighted else 1.0
+    channel.weight = weight
     got, want = [], []
     for step in range(4):
-        delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * rank + step))
+        delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * rank + step)) * weight
         if rank == 1 and step == 2:
             delta.zero_()  # (with an empty error buffer it sends zeros)
             twin.reset()
@@ -50,11 +56,12 @@ def _exchanges(rank: int, world: int, bits: int, mean: str) -> dict:
         reference = _reference_sum(entries, world)
         if mean == "all":
             reference /= world
-        else:
+        else:  # per entry: the weights of the ranks that sent it a non-zero value
             counts = torch.zeros(NUMEL)
             chosen_counts_(counts, entries)
+            counts *= weight
             dist.all_reduce(counts)
-            reference = torch.where(counts > 0, reference / counts.clamp(min=1), 0.0)
+            reference = torch.where(counts > 0, reference / torch.where(counts > 0, counts, 1.0), 0.0)
         work = channel.start(delta)
         work.second_phase()
         work.wait()
@@ -97,7 +104,8 @@ def _worker(rank, world, port, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out = {(bits, mean): _exchanges(rank, world, bits, mean)
-               for bits, mean in ((2, "all"), (4, "all"), (8, "all"), (0, "all"), (2, "chosen"))}
+               for bits, mean in ((2, "all"), (4, "all"), (8, "all"), (0, "all"), (2, "chosen"), (0, "chosen"))}
+        out[2, "chosen-weighted"] = _exchanges(rank, world, 2, "chosen", weighted=True)
         queue.put(_by_value((rank, out, _outer_run(rank))))
         dist.barrier()
     finally:
@@ -129,10 +137,12 @@ def results(request):
 
 def test_the_mean_is_the_torch_reference_bit_for_bit_on_every_rank(results):
     """Guards against a sparse mean that differs from the decoded payloads summed in rank
-    order and divided like the dense mean (by every replica; per entry by its choosers under
-    "chosen"), against ranks holding different means (a sum in another order, a rank decoding
-    its own payload differently from the others), and against the channel's error buffer
-    drifting from the compressor's own step (at 2, 4, 8 bits and fp32 values)."""
+    order and divided by every replica ("all", like the dense mean) or per entry by the
+    weights of the replicas that sent it a non-zero value ("chosen": a replica sending zeros
+    does not count, unequal sites' weights renormalise), against ranks holding different means
+    (a sum in another order, a rank decoding its own payload differently from the others),
+    and against the channel's error buffer drifting from the compressor's own step (at 2, 4,
+    8 bits and fp32 values)."""
     world, res = results
     for form in res[0][0]:
         for rank in range(world):
@@ -153,8 +163,8 @@ def test_bytes_are_the_payload_to_each_other_rank(results):
     for out in res[0][0].values():
         assert out["bytes"] == (world - 1) * out["payload"]
     plan = ChunkPlan(PIECES, CHUNK)
-    assert res[0][0][2, "all"]["payload"] == (-(-plan.chunks * K * 4 // 32) * 4 + -(-plan.chunks * K * 2 // 32) * 4
-                                              + plan.groups * 4 * 4)
+    assert res[0][0][2, "all"]["payload"] == (4 + -(-plan.chunks * K * 4 // 32) * 4  # weight, 4-bit indices
+                                              + -(-plan.chunks * K * 2 // 32) * 4 + plan.groups * 4 * 4)
 
 
 def test_outer_step_on_sparse_channels_agrees_and_finish_keeps_the_error_buffers(results):

@@ -56,11 +56,11 @@ class DiLoCoConfig:
     """SparseLoCo's chunk: elements per chunk of the error buffer, each sending
     --diloco-outer-topk of them; square tiles (64 x 64 at 4096) of 2-D weights where the
     side divides both dimensions, flat runs elsewhere."""
-    diloco_outer_topk_mean: str = choice("all", ("all", "chosen"))
-    """SparseLoCo's mean of the gathered entries: ``all`` divides each entry's sum by every
-    replica (what a replica did not send stays in its error buffer: its share is zero for
-    now); ``chosen`` by the replicas that sent that entry (Templar's merge). docs/diloco.md
-    gives the measurement behind the default."""
+    diloco_outer_topk_mean: str = choice("chosen", ("chosen", "all"))
+    """SparseLoCo's mean of the gathered entries: ``chosen`` divides each entry's sum by the
+    replicas that sent that entry (weighted by their samples on unequal sites; Templar's
+    merge); ``all`` by every replica, as the dense mean (an entry a replica did not send
+    counts as its zero). docs/diloco.md gives the measurement behind the default."""
     diloco_outer_error_feedback: bool = True
     """Compensate each outer gradient with the moving average of its past compression
     errors (int8 storage, --diloco-outer-beta). --no-diloco-outer-error-feedback is the ablation."""
@@ -172,7 +172,7 @@ class DiLoCoConfig:
         require(self.diloco_outer_topk <= self.diloco_outer_chunk, "diloco_outer_topk",
                 f"{self.diloco_outer_topk} is more than a chunk's {self.diloco_outer_chunk} elements "
                 "(--diloco-outer-chunk)")
-        require(sparse or self.diloco_outer_topk_mean == "all", "diloco_outer_topk_mean",
+        require(sparse or self.diloco_outer_topk_mean == "chosen", "diloco_outer_topk_mean",
                 "needs --diloco-outer-topk K > 0")
         require(not (sparse and self.diloco_outer_gain_correction), "diloco_outer_gain_correction",
                 "refits LoCo's block scales; --diloco-outer-topk sends SparseLoCo's bin tables (no scales to refit)")

@@ -78,7 +78,9 @@ def describe(config: Config, world_size: int) -> str:
                 f"({f'{side}x{side} tiles of 2-D weights, flat elsewhere' if side else 'flat chunks'}), "
                 f"{f'{d.diloco_outer_bits}-bit' if d.diloco_outer_bits else 'fp32'} values, "
                 + (f"error feedback (beta {d.diloco_outer_beta})" if d.diloco_outer_error_feedback
-                   else "no error feedback") + ", one all-gather")
+                   else "no error feedback")
+                + ", one all-gather, each entry's mean over "
+                + ("its senders" if d.diloco_outer_topk_mean == "chosen" else "every replica"))
     stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
               if d.diloco_fragments > 1 or d.diloco_sync_delay else "")
     grid = f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP {inner_dp}"

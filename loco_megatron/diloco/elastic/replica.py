@@ -249,6 +249,14 @@ class ReplicaStep(OuterStep):
                 else:
                     self.momentum[key].copy_(momentum[key])
 
+    def _start(self, key: str, t: int) -> None:
+        # (a SparseLoCo payload carries the factor its gradient is scaled by: a mean over an
+        # entry's senders renormalises by their weights)
+        channel = self.channels[key][1]
+        if hasattr(channel, "weight"):
+            channel.weight = self.outer_scale
+        super()._start(key, t)
+
     def _holds_errors(self) -> bool:
         """Whether the channels may hold outer error buffers worth announcing when they are
         reset: a compressed exchange (its compressor) after at least one outer step."""

@@ -5,15 +5,15 @@ interface over one fixed-size all-gather of every rank's payload.
 updated, :mod:`.compressor`) and launches one ``all_gather_into_tensor`` of the uint8
 payloads (every rank's has the same size: ``k`` entries per chunk of the same plan); ``wait()``
 decodes the ``R`` rows and adds them into ``delta`` in fp32 in rank order, so every rank holds
-the same sum bit for bit, then divides it like the dense mean: by ``mean_over`` (every rank of
-the group, or the contributors an elastic cycle counts; a caller's ``outer_scale`` has already
-weighted each rank's gradient by its samples). Bytes per rank to the others: ``(R - 1)`` payloads.
+the same sum bit for bit, then divides it. Bytes per rank to the others: ``(R - 1)`` payloads.
 
-The mean divides by every replica, also at an index only some of them chose (``mean="all"``):
-what a replica did not send of an entry is still in its error buffer, so its share of the
-mean is zero for now, not unknown. ``mean="chosen"`` divides each entry by the replicas that
-sent it a non-zero value instead (Templar's merge); docs/diloco.md gives the measurement that
-chose ``all``.
+The division (``mean``, --diloco-outer-topk-mean): ``chosen`` (the default) divides each
+entry by the replicas that sent it a non-zero value, each counted with its weight (the factor
+a caller's ``outer_scale`` scaled its gradient by, elastic DiLoCo's samples-weighted mean, 1
+elsewhere; the payload carries it), so an entry's mean is the weighted mean over its senders
+(Templar's merge); ``all`` divides every entry by ``mean_over`` (every rank of the group, or
+the contributors an elastic cycle counts) like the dense mean: an entry a replica did not send
+counts as its zero. docs/diloco.md gives the measurement behind the default.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.sparse.chunks import ChunkPlan
-from loco_megatron.diloco.sparse.codec import chosen_counts_, decode, scatter_add_
+from loco_megatron.diloco.sparse.codec import chosen_counts_, decode, scatter_add_, sender_weight
 from loco_megatron.diloco.sparse.compressor import SparseCompressor
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.metrics.comm import WallClock
@@ -45,7 +45,7 @@ class SparseChannel:
 
     def __init__(self, plan: ChunkPlan, group, topk: int, bits: int, beta: float = 0.95, error_feedback: bool = True,
                  device: Optional[torch.device] = None, name: str = "outer", ops: CollectiveOps = TORCH_OPS,
-                 clock=None, world: Optional[int] = None, mean: str = "all"):
+                 clock=None, world: Optional[int] = None, mean: str = "chosen"):
         if mean not in MEANS:
             raise ValueError(f"mean {mean!r}: one of {', '.join(MEANS)}")
         self.plan, self.numel, self.group, self.name, self.mean = plan, plan.numel, group, name, mean
@@ -54,7 +54,10 @@ class SparseChannel:
         self.world = ops.get_world_size(group) if world is None else world
         self.rank = ops.get_rank(group)
         self.mean_over = self.world
-        """The deltas a mean is over (see OuterChannel.mean_over)."""
+        """The deltas a mean is over (see OuterChannel.mean_over; ``mean="all"`` only)."""
+        self.weight = 1.0
+        """The factor this rank's next outer gradient is scaled by (elastic DiLoCo sets it per
+        exchange: :attr:`~loco_megatron.diloco.outer.OuterStep.outer_scale`), sent with it."""
         self.compressor = SparseCompressor(plan, topk, bits, beta, error_feedback, device)
         self.comp1 = self.compressor if error_feedback else None
         self.layout = self.compressor.layout
@@ -108,7 +111,7 @@ class SparseWork(OuterWork):
         c = self.c
 
         def launch():
-            payload, _ = c.compressor.compress(self.delta)
+            payload, _ = c.compressor.compress(self.delta, c.weight)
             self._recv = torch.empty(c.world * payload.numel(), dtype=torch.uint8, device=payload.device)
             self.launch_mark = c.clock.mark()
             self._send = payload  # (referenced until wait(): the collective may read it until then)
@@ -134,11 +137,13 @@ class SparseWork(OuterWork):
                 entries = decode(rows[r], c.plan, c.layout)
                 scatter_add_(delta, entries)
                 if counts is not None:
-                    chosen_counts_(counts, entries)
+                    chosen_counts_(counts, entries, sender_weight(rows[r], c.layout))
             if counts is None:
                 delta.div_(c.mean_over)
             else:
-                torch.where(counts > 0, delta / counts.clamp(min=1), torch.zeros((), device=delta.device), out=delta)
+                # (a weight may be below 1: divide by it as it is, only where some sender counts)
+                torch.where(counts > 0, delta / torch.where(counts > 0, counts, torch.ones((), device=delta.device)),
+                            torch.zeros((), device=delta.device), out=delta)
             self._recv = self._send = None
             self.finite = torch.isfinite(delta).all()
 

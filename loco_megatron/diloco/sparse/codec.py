@@ -12,9 +12,11 @@ per quantisation group (a piece: one tensor), or as fp32 (``bits`` 0):
   fp32 values per group, sent with the codes); a bin nothing fell into decodes as 0.
 
 Payload layout (uint8, each section padded to a multiple of 4 bytes so the fp32 sections
-can be read in place): the indices, ``ceil(log2 C)`` bits each, packed LSB first (12-bit
-indices: two per 3 bytes), chunk by chunk; the value codes packed the same way (or the fp32
-values); the bin tables, group by group.
+can be read in place): the sender's weight (fp32: the factor its outer gradient was scaled
+by, 1 but for elastic DiLoCo's unequal sites, so a mean over the senders of an entry can
+renormalise by their weights); the indices, ``ceil(log2 C)`` bits each, packed LSB first
+(12-bit indices: two per 3 bytes), chunk by chunk; the value codes packed the same way (or
+the fp32 values); the bin tables, group by group.
 
 Every receiver decodes the same bytes, so all of them hold the same entries; the sender
 itself decodes what it sent the same way (:func:`encode` returns it) for its error feedback.
@@ -118,8 +120,10 @@ def quantise(values: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor, ng
 
 class PayloadLayout:
     """Sizes and sections of one channel's payload (module docstring): ``entries`` = chunks x
-    ``topk``; ``index_bytes``, ``value_bytes``, ``table_bytes`` (each a multiple of 4) and
-    ``nbytes``, their sum, the same on every rank of a channel."""
+    ``topk``; ``HEADER`` (the weight), ``index_bytes``, ``value_bytes``, ``table_bytes`` (each
+    a multiple of 4) and ``nbytes``, their sum, the same on every rank of a channel."""
+
+    HEADER = 4
 
     def __init__(self, plan: ChunkPlan, topk: int, bits: int):
         if not 1 <= topk <= plan.chunk:
@@ -134,11 +138,13 @@ class PayloadLayout:
         self.index_bytes = _pad4((self.entries * self.index_bits + 7) // 8)
         self.value_bytes = _pad4((self.entries * self.value_bits + 7) // 8)
         self.table_bytes = plan.groups * self.bins * 4
-        self.nbytes = self.index_bytes + self.value_bytes + self.table_bytes
+        self.nbytes = self.HEADER + self.index_bytes + self.value_bytes + self.table_bytes
 
-    def sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a, b = self.index_bytes, self.index_bytes + self.value_bytes
-        return payload[:a], payload[a:b], payload[b:self.nbytes]
+    def sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The weight (fp32 ``[1]``), index, value and table sections of ``payload``."""
+        a = self.HEADER
+        b, c = a + self.index_bytes, a + self.index_bytes + self.value_bytes
+        return payload[:a].view(torch.float32), payload[a:b], payload[b:c], payload[c:self.nbytes]
 
 
 def choose(e: torch.Tensor, plan: ChunkPlan, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,13 +166,15 @@ def choose(e: torch.Tensor, plan: ChunkPlan, topk: int) -> tuple[torch.Tensor, t
     return torch.cat(index), torch.cat(values)
 
 
-def encode(e: torch.Tensor, plan: ChunkPlan, layout: PayloadLayout) -> tuple[torch.Tensor, tuple]:
-    """The payload of ``e`` (uint8 ``[layout.nbytes]``) and what it decodes to
-    (:func:`decode`'s triple), without decoding the bytes again."""
+def encode(e: torch.Tensor, plan: ChunkPlan, layout: PayloadLayout, weight: float = 1.0) -> tuple[torch.Tensor, tuple]:
+    """The payload of ``e`` (uint8 ``[layout.nbytes]``; ``weight``: the sender's, see the
+    module docstring) and what it decodes to (:func:`decode`'s triple), without decoding the
+    bytes again."""
     index, values = choose(e, plan, layout.topk)
     pos, valid = plan.positions(index)
     payload = torch.zeros(layout.nbytes, dtype=torch.uint8, device=e.device)
-    idx_part, val_part, table_part = layout.sections(payload)
+    weight_part, idx_part, val_part, table_part = layout.sections(payload)
+    weight_part.fill_(weight)
     idx_part[:(layout.entries * layout.index_bits + 7) // 8] = pack_bits(index, layout.index_bits)
     values, valid = values.reshape(-1), valid.reshape(-1)
     if layout.bits:
@@ -185,7 +193,7 @@ def decode(payload: torch.Tensor, plan: ChunkPlan, layout: PayloadLayout) -> tup
     """The entries of a payload: their shard positions (int64 ``[entries]``), decoded values
     (fp32) and validity (bool; an invalid entry's position is 0). Any bytes decode without
     error (a garbled payload of a failed collective gives in-range positions)."""
-    idx_part, val_part, table_part = layout.sections(payload)
+    _, idx_part, val_part, table_part = layout.sections(payload)
     index = unpack_bits(idx_part, layout.index_bits, layout.entries).view(-1, layout.topk)
     pos, valid = plan.positions(index)
     if layout.bits:
@@ -206,9 +214,15 @@ def scatter_add_(out: torch.Tensor, entries: tuple[torch.Tensor, ...]) -> None:
         out.index_put_((pos,), torch.where(valid, values, torch.zeros((), device=out.device)), accumulate=True)
 
 
-def chosen_counts_(out: torch.Tensor, entries: tuple[torch.Tensor, ...]) -> None:
-    """``out[pos] += 1`` where an entry is valid and decodes to a non-zero value (a replica
-    that sends zeros, one that just healed, chose nothing)."""
+def sender_weight(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
+    """The sender's weight a payload carries (fp32 ``[1]``)."""
+    return layout.sections(payload)[0]
+
+
+def chosen_counts_(out: torch.Tensor, entries: tuple[torch.Tensor, ...], weight=1.0) -> None:
+    """``out[pos] += weight`` (the sender's) where an entry is valid and decodes to a non-zero
+    value (a replica that sends zeros, one that just healed, chose nothing)."""
     pos, values, valid = entries
     if pos.numel():
-        out.index_put_((pos,), (valid & (values != 0)).to(out.dtype), accumulate=True)
+        chosen = (valid & (values != 0)).to(out.dtype)
+        out.index_put_((pos,), chosen * weight, accumulate=True)

@@ -34,16 +34,17 @@ class SparseCompressor:
         self.error = torch.zeros(plan.numel, dtype=torch.float32, device=device) if error_feedback else None
         """fp32 ``[numel]``: what was not sent yet (None without error feedback)."""
 
-    def compress(self, delta: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """The payload of this exchange (uint8 ``[layout.nbytes]``) and what it decodes to
+    def compress(self, delta: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, tuple]:
+        """The payload of this exchange (uint8 ``[layout.nbytes]``; ``weight``: the factor
+        ``delta`` was scaled by, carried in it: :mod:`.codec`) and what it decodes to
         (:func:`.codec.decode`'s triple); updates the error buffer. A non-finite value of the
         buffer afterwards (an overflowed outer gradient, sent as such so the mean is dropped)
         is reset to 0, so it cannot poison every later exchange."""
         if self.error is None:
-            return encode(delta, self.plan, self.layout)
+            return encode(delta, self.plan, self.layout, weight)
         e = self.error
         e.mul_(self.beta).add_(delta)
-        payload, entries = encode(e, self.plan, self.layout)
+        payload, entries = encode(e, self.plan, self.layout, weight)
         pos, values, valid = entries
         if pos.numel():  # (positions of one payload are distinct: an exact subtraction each)
             e.index_put_((pos,), -torch.where(valid, values, torch.zeros((), device=e.device)), accumulate=True)
