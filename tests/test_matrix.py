@@ -8,10 +8,11 @@ test_training and test_checkpoint resume in fresh processes.
 
 ``muon``: --optimizer muon (Muon and AdamW in megatron-core's layer-wise optimizer, DDP
 all-reducing whole gradients; MuLoCo with DiLoCo). DiLoCo (``diloco2``: 2 replicas, an
-outer step every 3 steps, 4-bit outer gradients with error feedback; ``diloco2-sparse``: the same
-with SparseLoCo's outer exchange, top 64 of 4096 at 2 bits) saves at step 2, mid-interval, so the outer step at 3 follows the resume;
-its other-layout resume changes the replicas' inner DP (2 -> 4 ranks, 2 replicas) or the
-replica count (4 -> 2 ranks, 1 replica).
+outer step every 3 steps, 4-bit outer gradients with error feedback; ``diloco2-sparse``: the
+same with SparseLoCo's outer exchange, top 64 of 4096 at 2 bits) saves at step 2,
+mid-interval, so the outer step at 3 follows the resume; its other-layout resume changes
+the replicas' inner DP (2 -> 4 ranks, 2 replicas) or the replica count (4 -> 2 ranks, 1
+replica).
 
 Invariants checked in every cell, with its flags in the test id and every message:
 parameters bit-identical across the ranks of each DP group (DiLoCo: of each replica)
