@@ -33,7 +33,8 @@ def _describe_diloco(config: dict) -> str:
     if config.get("diloco_outer_topk"):
         outer = (f"SparseLoCo top {config['diloco_outer_topk']}/{config.get('diloco_outer_chunk', 4096)} "
                  f"{f'{bits}-bit' if bits else 'fp32'}"
-                 + (", no error feedback" if config.get("diloco_outer_error_feedback") is False else ""))
+                 + (", no error feedback" if config.get("diloco_outer_error_feedback") is False else "")
+                 + (", mean over all replicas" if config.get("diloco_outer_topk_mean") == "all" else ""))
     label = f" + DiLoCo {replicas}x H{config.get('diloco_inner_steps')}"
     fragments, tau = config.get("diloco_fragments", 1), config.get("diloco_sync_delay", 0)
     if fragments > 1 or tau:
