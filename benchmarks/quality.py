@@ -129,6 +129,14 @@ for _h in (16, 32, 64):
         for _form, (_label, _flags) in OUTER_FORMS.items():
             VARIANTS[f"dl{_bits}{_form}-h{_h}"] = (f"DiLoCo H={_h}, LoCo {_bits}-bit outer, {_label}",
                                                    [*_base, "--diloco-outer-bits", str(_bits), *_flags])
+    # SparseLoCo (--diloco-outer-topk): top 64 of 4096 at 2 bits, its reference settings (SGD
+    # at LR 1, beta 0.95); "sl" divides each entry by every replica, "slc" by those that sent it
+    VARIANTS[f"sl-h{_h}"] = (f"DiLoCo H={_h}, SparseLoCo top 64/4096 2-bit outer",
+                             [*_base, "--diloco-outer-topk", "64", "--diloco-outer-bits", "2",
+                              "--diloco-outer-topk-mean", "all"])
+    VARIANTS[f"slc-h{_h}"] = (f"DiLoCo H={_h}, SparseLoCo top 64/4096 2-bit outer, mean over choosers",
+                              [*_base, "--diloco-outer-topk", "64", "--diloco-outer-bits", "2",
+                               "--diloco-outer-topk-mean", "chosen"])
 # Muon (--optimizer muon): data parallel, with LoCo, and as DiLoCo's inner optimizer (MuLoCo:
 # every DiLoCo variant with an "m" in front); benchmarks/muon.py tunes and compares them.
 VARIANTS["muon"] = ("Muon, full precision", ["--loco-bits", "0", "--optimizer", "muon"])

@@ -27,6 +27,11 @@ and SIGSTOPs itself (a stalled node, at a known step: a test continues it).
 before the cycle at iteration ``T`` (a rank that arrives late: the others wait on it).
 ``LOCO_TEST_PERTURB=1``: before its join the replica's agreed parameters move by 1e-3 on
 its lane hosts (replicas whose states differ at the start: they must agree on one).
+``LOCO_TEST_DUMP_LAYS=1``: each re-lay of the channels (other replicas take part) appends
+``{"at": "lay", "iteration", "for", "before", "after", "nonzero", "dropped"}``: the digests of
+the SparseLoCo error buffers (the channels whose state outlives a re-lay) before and after
+it, whether they held anything before, and whether the re-lay dropped other error buffers;
+and every other line gets ``errors``: whether those buffers hold anything.
 """
 
 import hashlib
@@ -65,10 +70,18 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
     die_at = int(os.environ.get("LOCO_TEST_DIE_IN_EXCHANGE", "0"))
     now = {"t": 0}
 
+    lays = bool(os.environ.get("LOCO_TEST_DUMP_LAYS"))
+
+    def errors() -> dict:
+        return {k: ch.comp1.error for k, (_, ch, _, _) in outer.channels.items()
+                if getattr(ch, "world_independent", False) and ch.comp1 is not None}
+
     def dump(at: str, t: int) -> None:
         record = {"at": at, "iteration": outer._progress().get("iteration", t), "outer_steps": outer.outer_steps,
                   "agreed": _digest(outer.agreed), "momentum": _digest(outer.momentum), "steps": list(STEPS),
                   "live": outer.coordinator.live}
+        if lays:
+            record["errors"] = any(bool(e.any()) for e in errors().values())
         STEPS.clear()
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -146,6 +159,20 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
         return work
 
     exchange.OuterChannel.start = start_then_die
+    if lays:
+        lay = outer._lay
+
+        def laid(contributors: tuple) -> bool:
+            before, nonzero = _digest(errors()), any(bool(e.any()) for e in errors().values())
+            dropped = lay(contributors)
+            record = {"at": "lay", "iteration": outer._progress().get("iteration", now["t"]),
+                      "for": list(contributors), "before": before, "after": _digest(errors()), "nonzero": nonzero,
+                      "dropped": dropped}
+            with out.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            return dropped
+
+        outer._lay = laid
     return outer
 
 

@@ -197,3 +197,22 @@ def test_dry_run_prints_replicas_and_outer_memory():
         return float(re.search(r"optimizer ([\d.]+)", out).group(1))
 
     assert optimizer(proc.stdout) == pytest.approx(2 * optimizer(plain.stdout), rel=0.1)
+
+
+@pytest.mark.parametrize("outer", [["--diloco-outer-bits", "4"], ["--diloco-outer-topk", "64"]], ids=["4bit", "sparse"])
+def test_tp_replicated_parameters_stay_equal_under_the_outer_step(outer, cache_dir, tmp_path):
+    """Guards against the outer step pulling the TP copies of a replicated parameter (norm
+    weights, row-parallel biases) apart: in a channel shared with TP-split parameters a
+    compressed exchange quantised them in blocks whose other values differ between the TP
+    ranks, so the two copies took different outer updates (the matrix never saw it: its only
+    TP x DiLoCo cell ran --param-gather-bits, which skips the TP check). 2 replicas of TP 2,
+    outer steps at 3 and 6: every parameter equal across the TP ranks after every step (and
+    across the replicas after each outer step), the 4-bit and the sparse outer exchange."""
+    args = TINY + ["--train-iters", "6", "--tensor-model-parallel-size", "2", "--diloco-replicas", "2",
+                   "--diloco-inner-steps", "3", *outer]
+    runs = [("run", [])]
+    out, _ = finished_run(torchrun_runs(4, args, cache_dir, tmp_path, runs), runs, "run")
+    checks = re.findall(r"IDENTICAL rank=(\d+) iter=(\d+) dense=(\w+) expert=(\w+) tp=(\w+) outer=(\S+)", out)
+    assert len(checks) == 4 * 6, checks
+    assert all(tp == "True" for *_, tp, _ in checks), [c for c in checks if c[4] != "True"]
+    assert sorted({int(it) for _, it, *_, o in checks if o == "True"}) == [3, 6], checks

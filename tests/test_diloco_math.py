@@ -132,6 +132,33 @@ def test_outer_form_defaults_follow_the_width():
     assert form("--diloco-outer-bits", "4", "--diloco-outer-gain-correction") == (0.8, True)
 
 
+def test_sparse_outer_defaults_and_refusals():
+    """Guards against --diloco-outer-topk running with the dense form's defaults (4-bit
+    values, Nesterov momentum 0.9 on top of the error buffer, the dense LR and beta) instead
+    of SparseLoCo's reference settings (2-bit, SGD at LR 1, beta 0.95), explicit flags being
+    overridden, and bad combinations (a chunk without top-k, k above the chunk, LoCo's gain
+    correction) running instead of a one-line error naming the flag."""
+    from loco_megatron.cli import parse_config
+
+    def form(*flags: str) -> tuple:
+        d = parse_config(["--diloco-replicas", "2", *flags]).diloco
+        return (d.diloco_outer_bits, d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_outer_beta,
+                d.diloco_outer_gain_correction)
+
+    assert form("--diloco-outer-topk", "64") == (2, 1.0, 0.0, 0.95, False)
+    assert form("--diloco-outer-topk", "64", "--diloco-outer-bits", "0", "--diloco-outer-momentum", "0.5",
+                "--diloco-outer-lr", "0.7", "--diloco-outer-beta", "0.9") == (0, 0.7, 0.5, 0.9, False)
+    assert form() == (4, 0.55, 0.9, 0.8, False)  # (dense: as before)
+    for flags, message in [({"diloco_outer_chunk": 1024}, "--diloco-outer-chunk: needs --diloco-outer-topk"),
+                           ({"diloco_outer_topk": 65, "diloco_outer_chunk": 64}, "--diloco-outer-topk: 65 is more"),
+                           ({"diloco_outer_topk": -1}, "--diloco-outer-topk: -1 is not >= 0"),
+                           ({"diloco_outer_topk": 4, "diloco_outer_chunk": 1}, "--diloco-outer-chunk: 1 is not >= 2"),
+                           ({"diloco_outer_topk": 64, "diloco_outer_gain_correction": True},
+                            "--diloco-outer-gain-correction: refits LoCo's block scales")]:
+        with pytest.raises(ConfigError, match=message):
+            DiLoCoConfig(diloco_replicas=2, **flags)
+
+
 def test_more_fragments_than_layers_is_one_line():
     """Guards against --diloco-fragments above the layer count being accepted (fragments
     of no layer at all, whose sync steps send nothing but the embedding or nothing)."""

@@ -145,3 +145,23 @@ def test_a_fragment_holds_the_rows_of_its_layers_in_a_stacked_tensor():
     assert covered == {"ln": 24, "w": 48}
     with pytest.raises(ValueError, match="hold 12 of the 24 elements of ln in fragment 0"):
         check_cover(Space({"ln": stack, "w": w}, 3), table, 0)  # (the whole stack: the crash)
+
+
+def test_lane_pieces_are_the_lane_in_order_as_runs_of_each_box():
+    """Guards against SparseLoCo's chunks of a lane cut by other shapes or offsets than the
+    lane holds (a tile would mix rows of two tensors, or of another fragment's layers): a
+    lane's pieces are its elements in lane order, each a run of one key's box (its shape,
+    e.g. a fragment's rows of a stacked tensor), starting where the lane enters the box."""
+    space = Space({"x": ((8, 6), (2, 0), (4, 6)), "a": (5,), "z": (3, 4)}, 3)
+    assert space.keys == ["a", "x", "z"] and space.numel == 5 + 24 + 12
+    for j in range(3):
+        lo, hi = space.lane(j)
+        pieces = space.lane_pieces(j)
+        assert sum(n for n, _, _ in pieces) == hi - lo
+        at = lo
+        for n, shape, start in pieces:
+            key = next(k for k in space.keys if space.shapes[k] == shape)
+            assert space.base[key] + start == at and start + n <= math.prod(shape)
+            at += n
+    assert space.lane_pieces(1) == [(14, (4, 6), 8)]
+    assert space.lane_pieces(2) == [(2, (4, 6), 22), (12, (3, 4), 0)]

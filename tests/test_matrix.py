@@ -8,9 +8,11 @@ test_training and test_checkpoint resume in fresh processes.
 
 ``muon``: --optimizer muon (Muon and AdamW in megatron-core's layer-wise optimizer, DDP
 all-reducing whole gradients; MuLoCo with DiLoCo). DiLoCo (``diloco2``: 2 replicas, an
-outer step every 3 steps, 4-bit outer gradients with error feedback) saves at step 2, mid-interval, so the outer step at 3 follows the resume;
-its other-layout resume changes the replicas' inner DP (2 -> 4 ranks, 2 replicas) or the
-replica count (4 -> 2 ranks, 1 replica).
+outer step every 3 steps, 4-bit outer gradients with error feedback; ``diloco2-sparse``: the
+same with SparseLoCo's outer exchange, top 64 of 4096 at 2 bits) saves at step 2,
+mid-interval, so the outer step at 3 follows the resume; its other-layout resume changes
+the replicas' inner DP (2 -> 4 ranks, 2 replicas) or the replica count (4 -> 2 ranks, 1
+replica).
 
 Invariants checked in every cell, with its flags in the test id and every message:
 parameters bit-identical across the ranks of each DP group (DiLoCo: of each replica)
@@ -40,7 +42,7 @@ FACTORS = {
     "async_save": (False, True),
     "ckpt_format": ("torch_dist", "torch"),
     "other_layout": ("bucket", "dp"),
-    "diloco": (0, 2),
+    "diloco": (0, 2, "2-sparse"),
     "optimizer": ("adam", "muon"),
 }
 
@@ -77,6 +79,11 @@ def valid(cell: dict) -> bool:
     return not (cell["async_save"] and cell["ckpt_format"] != "torch_dist")
 
 
+def replicas(cell: dict) -> int:
+    """DiLoCo's replicas in a cell (0: no DiLoCo)."""
+    return 2 if cell["diloco"] else 0
+
+
 def world_size(cell: dict) -> int:
     """2 ranks where the factors allow (DP2, or EP2 x DP2); 4 for TP2/PP2 x DP2, two-hop, and
     EP2 under DiLoCo (each replica needs whole expert-data-parallel groups: EP2 x DP4)."""
@@ -109,7 +116,8 @@ def cell_args(cell: dict) -> list[str]:
              }[cell["parallel"]]
     args += ["--overlap-param-gather"] if cell["overlap_param_gather"] else []
     args += ["--async-save"] if cell["async_save"] else []
-    args += ["--diloco-replicas", str(cell["diloco"]), "--diloco-inner-steps", "3"] if cell["diloco"] else []
+    args += ["--diloco-replicas", str(replicas(cell)), "--diloco-inner-steps", "3"] if cell["diloco"] else []
+    args += ["--diloco-outer-topk", "64"] if cell["diloco"] == "2-sparse" else []
     args += ["--optimizer", cell["optimizer"]]
     return args
 
@@ -284,7 +292,7 @@ def test_matrix_cell(cell, cache_dir, tmp_path):
         # Per-rank state that follows the buckets (LoCo's errors, --param-gather-bits' shards,
         # DiLoCo's outer errors on the optimizer's shards) exists only where a data-parallel
         # group (DiLoCo: inside a replica) has more than one rank.
-        shared = n // (2 if cell["parallel"] in ("tp2", "pp2vpp") else 1) // (cell["diloco"] or 1) > 1
+        shared = n // (2 if cell["parallel"] in ("tp2", "pp2vpp") else 1) // (replicas(cell) or 1) > 1
         reset_loco, reset_pgb = cell["loco_bits"] > 0 and shared, cell["param_gather_bits"] > 0 and shared
         reset_diloco = bool(cell["diloco"]) and shared
         if not (sum(bool(re.search(r"(?<!Di)LoCo", line)) for line in announced) == int(reset_loco)

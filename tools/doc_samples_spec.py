@@ -255,6 +255,11 @@ RUNS: dict[str, Run] = {
     # diloco.md: two replicas in one job; three replica jobs on torchft, one killed and restarted
     "diloco-run": Run("torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --loco-bits 4 --diloco-replicas 2 \\\n"
                       "    --diloco-inner-steps 32 --train-iters 256"),
+    # diloco.md: the same run with SparseLoCo's outer exchange, and its dry run
+    "diloco-sparse": Run("torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --loco-bits 4 --diloco-replicas 2 \\\n"
+                         "    --diloco-inner-steps 32 --diloco-outer-topk 64 --train-iters 256"),
+    "diloco-sparse-dry": Run("python pretrain_gpt.py --loco-bits 4 --diloco-replicas 2 --diloco-inner-steps 32 "
+                             "--diloco-outer-topk 64 \\\n    --dry-run --world-size 4"),
     "diloco-sites": Run(ELASTIC_SITES, timeout=1800, folder="sites"),
     "diloco-unequal": Run(ELASTIC_UNEQUAL, timeout=1800, folder="unequal"),
 }
@@ -308,6 +313,9 @@ SAMPLES: dict[str, Sample] = {
     "data-ids": Sample((Part("data-ids"),), "bash"),
     "diloco-run": Sample((Part("diloco-run", (r"^DiLoCo: \d", r"^iter (32|64|256)/256 ", r"^DiLoCo: final outer",
                                               r"^  between replicas")),), "bash"),
+    "diloco-sparse": Sample((Part("diloco-sparse", (r"^DiLoCo: \d", r"^iter (32|64|256)/256 ", r"^DiLoCo: final outer",
+                                                    r"^  between replicas")),), "bash"),
+    "diloco-sparse-dry": Sample((Part("diloco-sparse-dry", (r"^DiLoCo outer payload",)),), "bash"),
     "diloco-sites": Sample((Part("diloco-sites", ()),), "bash"),
     "diloco-left": Sample((Part("diloco-sites", (r"^DiLoCo: (replica 2 |\d replica)",), command=False,
                                 log="runs/site0.log"),), "output"),

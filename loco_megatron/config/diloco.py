@@ -33,14 +33,34 @@ class DiLoCoConfig:
     diloco_outer_lr: Optional[float] = None
     """Outer learning rate: agreed <- agreed - lr * (Nesterov) update of the mean outer
     gradient (agreed - local parameters). Default: 0.4 at --diloco-inner-steps 16 or
-    fewer, else 0.55 (the best LR of the sweep in docs/benchmarks.md grows with H)."""
-    diloco_outer_momentum: float = 0.9
-    """Outer Nesterov momentum (0: plain averaging at --diloco-outer-lr 1)."""
-    diloco_outer_bits: int = choice(4, (0, 8, 4, 2))
+    fewer, else 0.55 (the best LR of the sweep in docs/benchmarks.md grows with H); with
+    --diloco-outer-topk 1.0 (SparseLoCo's reference setting, not measured here)."""
+    diloco_outer_momentum: Optional[float] = None
+    """Outer Nesterov momentum (0: plain averaging at --diloco-outer-lr 1). Default: 0.9;
+    with --diloco-outer-topk 0 (SparseLoCo's plain SGD step: its error-feedback buffer
+    takes the momentum's place)."""
+    diloco_outer_bits: Optional[int] = choice(None, (0, 8, 4, 2))
     """Outer-gradient exchange: 0 = fp32 all-reduce (the reference); 8, 4 or 2 = LoCo's
     block quantiser (--loco-block-size, the quantiser options of that width) with error
     feedback, an all-to-all summed in fp32 in rank order, the mean re-quantised and
-    all-gathered, so every replica decodes the same bits."""
+    all-gathered, so every replica decodes the same bits. With --diloco-outer-topk: the
+    width of the values sent (2, 4 or 8 through SparseLoCo's bin table, 0 = fp32 values).
+    Default: 4; with --diloco-outer-topk 2."""
+    diloco_outer_topk: int = 0
+    """SparseLoCo (arXiv 2508.15706): each replica keeps an error-feedback buffer
+    ``e <- beta e + delta`` (--diloco-outer-beta), sends only the K entries of largest
+    ``|e|`` of each chunk of --diloco-outer-chunk elements (their values at
+    --diloco-outer-bits, their indices packed at ceil(log2 C) bits) in one all-gather, and
+    keeps what it did not send. 0 = dense (the exchange --diloco-outer-bits describes)."""
+    diloco_outer_chunk: int = 4096
+    """SparseLoCo's chunk: elements per chunk of the error buffer, each sending
+    --diloco-outer-topk of them; square tiles (64 x 64 at 4096) of 2-D weights where the
+    side divides both dimensions, flat runs elsewhere."""
+    diloco_outer_topk_mean: str = choice("chosen", ("chosen", "all"))
+    """SparseLoCo's mean of the gathered entries: ``chosen`` divides each entry's sum by the
+    replicas that sent that entry (weighted by their samples on unequal sites; Templar's
+    merge); ``all`` by every replica, as the dense mean (an entry a replica did not send
+    counts as its zero). docs/diloco.md gives the measurement behind the default."""
     diloco_outer_error_feedback: bool = True
     """Compensate each outer gradient with the moving average of its past compression
     errors (int8 storage, --diloco-outer-beta). --no-diloco-outer-error-feedback is the ablation."""
@@ -48,12 +68,13 @@ class DiLoCoConfig:
     """Moving-average factor of the outer compression error (LoCo's beta; 0 is classic
     error feedback: the whole remainder is sent with the next outer gradient). Default:
     0 at --diloco-outer-bits 2, else 0.8 (the forms measured best at each width,
-    docs/diloco.md)."""
+    docs/diloco.md); with --diloco-outer-topk the decay of SparseLoCo's buffer, 0.95 (its
+    reference setting, not measured here)."""
     diloco_outer_gain_correction: Optional[bool] = None
     """Refit each block's scale of the compressed outer exchange (both phases) so the
     decoded outer gradient is not shrunk towards zero: ``<decoded, sent> = |sent|^2`` per
     block. Costs no bytes; runs on LoCo's torch kernels. Default: on at --diloco-outer-bits
-    2, else off."""
+    2 (dense), else off."""
     diloco_fragments: int = 1
     """F: Streaming DiLoCo. The transformer layers are split into F fragments of
     consecutive layers (the embedding with the first, the output layer and final norm with
@@ -147,14 +168,32 @@ class DiLoCoConfig:
                 "exchange was in flight; with no delay the replicas must take the agreed parameters, alpha 0)")
         if self.diloco_mixing_factor is None:
             self.diloco_mixing_factor = 0.5 if self.diloco_sync_delay > 0 else 0.0
+        sparse = self.diloco_outer_topk > 0
+        require(self.diloco_outer_topk >= 0, "diloco_outer_topk", f"{self.diloco_outer_topk} is not >= 0")
+        require(sparse or self.diloco_outer_chunk == 4096, "diloco_outer_chunk",
+                "needs --diloco-outer-topk K > 0 (the chunks are SparseLoCo's)")
+        require(self.diloco_outer_chunk >= 2, "diloco_outer_chunk", f"{self.diloco_outer_chunk} is not >= 2")
+        require(self.diloco_outer_topk <= self.diloco_outer_chunk, "diloco_outer_topk",
+                f"{self.diloco_outer_topk} is more than a chunk's {self.diloco_outer_chunk} elements "
+                "(--diloco-outer-chunk)")
+        require(sparse or self.diloco_outer_topk_mean == "chosen", "diloco_outer_topk_mean",
+                "needs --diloco-outer-topk K > 0")
+        require(not (sparse and self.diloco_outer_gain_correction), "diloco_outer_gain_correction",
+                "refits LoCo's block scales; --diloco-outer-topk sends SparseLoCo's bin tables (no scales to refit)")
+        if self.diloco_outer_bits is None:
+            self.diloco_outer_bits = 2 if sparse else 4
+        # SparseLoCo's reference settings (Templar's, arXiv 2508.15706): SGD at LR 1, the
+        # error buffer in the momentum's place, decay 0.95.
+        if self.diloco_outer_momentum is None:
+            self.diloco_outer_momentum = 0.0 if sparse else 0.9
         # 2 bits: gain-corrected scales with classic error feedback measured best (the
         # moving average's damping costs more at 2 bits than the shrinkage it smooths).
         if self.diloco_outer_lr is None:
-            self.diloco_outer_lr = default_outer_lr(self.diloco_inner_steps)
+            self.diloco_outer_lr = 1.0 if sparse else default_outer_lr(self.diloco_inner_steps)
         if self.diloco_outer_beta is None:
-            self.diloco_outer_beta = 0.0 if self.diloco_outer_bits == 2 else 0.8
+            self.diloco_outer_beta = 0.95 if sparse else 0.0 if self.diloco_outer_bits == 2 else 0.8
         if self.diloco_outer_gain_correction is None:
-            self.diloco_outer_gain_correction = self.diloco_outer_bits == 2
+            self.diloco_outer_gain_correction = self.diloco_outer_bits == 2 and not sparse
         require(self.diloco_replicas >= 0, "diloco_replicas", f"{self.diloco_replicas} is not >= 0")
         require(self.diloco_inner_steps >= 1, "diloco_inner_steps", f"{self.diloco_inner_steps} is not >= 1")
         require(self.diloco_outer_lr > 0.0, "diloco_outer_lr", f"{self.diloco_outer_lr} is not > 0")
@@ -177,6 +216,11 @@ class DiLoCoConfig:
     @property
     def enabled(self) -> bool:
         return self.diloco_replicas > 0
+
+    @property
+    def sparse_outer(self) -> bool:
+        """SparseLoCo's outer exchange (--diloco-outer-topk > 0)."""
+        return self.diloco_outer_topk > 0
 
     @property
     def elastic(self) -> bool:

@@ -170,7 +170,8 @@ class Config:
                 f"{d.diloco_fragments} is more than the model's {self.model.num_layers} transformer layers (each "
                 "fragment is one or more whole layers)")
         bs = self.loco.loco_block_size
-        require(not d.diloco_outer_bits or self.loco.options_for(d.diloco_outer_bits)["rotation"] == "none"
+        require(not d.diloco_outer_bits or d.sparse_outer
+                or self.loco.options_for(d.diloco_outer_bits)["rotation"] == "none"
                 or bs & (bs - 1) == 0, "diloco_outer_bits",
                 f"{d.diloco_outer_bits} quantises with the hadamard rotation, which needs a power-of-two "
                 f"--loco-block-size, got {bs}")

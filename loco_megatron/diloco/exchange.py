@@ -128,6 +128,9 @@ class OuterChannel:
     def load_state_dict(self, sd: dict) -> None:
         """Restore both error buffers; :class:`~loco_megatron.loco.compressor.LoCoStateMismatch`
         (or ValueError) naming what differs when ``sd`` was written for another shard."""
+        if sd.get("form", "dense") != "dense":  # (SparseLoCo's error buffer: diloco/sparse)
+            raise ValueError(f"{self.name}: the checkpoint holds SparseLoCo's error buffer, this run's outer exchange "
+                             "is dense")
         if sd["numel"] != self.numel or sd["bits"] != self.bits:
             raise ValueError(f"{self.name}: {sd['numel']} elements at {sd['bits']} bits in the checkpoint, "
                              f"{self.numel} at {self.bits} now")

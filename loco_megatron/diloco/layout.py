@@ -70,11 +70,23 @@ def describe(config: Config, world_size: int) -> str:
             f"{f', error feedback (beta {d.diloco_outer_beta})' if d.diloco_outer_error_feedback else ', no error feedback'}"
             f"{', gain-corrected' if d.diloco_outer_gain_correction else ''}"
             if d.diloco_outer_bits else "fp32 all-reduce")
+    if d.sparse_outer:
+        from loco_megatron.diloco.sparse.chunks import tile_side
+
+        side = tile_side(d.diloco_outer_chunk)
+        bits = (f"SparseLoCo top {d.diloco_outer_topk} of {d.diloco_outer_chunk} "
+                f"({f'{side}x{side} tiles of 2-D weights, flat elsewhere' if side else 'flat chunks'}), "
+                f"{f'{d.diloco_outer_bits}-bit' if d.diloco_outer_bits else 'fp32'} values, "
+                + (f"error feedback (beta {d.diloco_outer_beta})" if d.diloco_outer_error_feedback
+                   else "no error feedback")
+                + ", one all-gather, each entry's mean over "
+                + ("its senders" if d.diloco_outer_topk_mean == "chosen" else "every replica"))
     stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
               if d.diloco_fragments > 1 or d.diloco_sync_delay else "")
     grid = f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP {inner_dp}"
-    outer = (f"outer step every {d.diloco_inner_steps} steps{stream}: Nesterov lr {d.diloco_outer_lr} momentum "
-             f"{d.diloco_outer_momentum}, exchange {bits}")
+    step = (f"Nesterov lr {d.diloco_outer_lr} momentum {d.diloco_outer_momentum}" if d.diloco_outer_momentum
+            or not d.sparse_outer else f"SGD lr {d.diloco_outer_lr}")
+    outer = f"outer step every {d.diloco_inner_steps} steps{stream}: {step}, exchange {bits}"
     if d.elastic:
         return (f"DiLoCo (elastic, torchft): replica {d.diloco_replica_id} of {d.diloco_replicas} expected, this job "
                 f"{size} ranks ({grid}); lighthouse {d.diloco_lighthouse}, an outer step needs "

@@ -12,6 +12,8 @@ from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.fragments import fragment_of
 from loco_megatron.diloco.outer import OuterStep, ShardViews
 from loco_megatron.diloco.schedule import FragmentSchedule
+from loco_megatron.diloco.sparse.channel import SparseChannel
+from loco_megatron.diloco.sparse.chunks import ChunkPlan, slice_pieces
 from loco_megatron.loco.collectives import TORCH_OPS, CollectiveOps
 from loco_megatron.loco.quantize import QuantOptions
 from loco_megatron.loco.workspace import Workspace
@@ -65,7 +67,19 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     options = QuantOptions(**lc.options_for(d.diloco_outer_bits), seed=lc.loco_quant_seed)
     workspace = Workspace()
 
-    def channel_maker(numel: int, key: str, device, group, ops, stream_rank, exact: bool = False):
+    def channel_maker(numel: int, key: str, device, group, ops, stream_rank, exact: bool = False,
+                      pieces: Optional[list] = None):
+        """``make(world)``: a new channel of ``numel`` elements (``pieces``: the shard's
+        ``(length, shape, start)`` runs, :mod:`.sparse.chunks`; SparseLoCo tiles by them)."""
+        if d.sparse_outer and not exact:  # (a tied embedding's two copies stay exact: see _shard_channels)
+            plan = ChunkPlan(pieces or [(numel, (numel,), 0)], d.diloco_outer_chunk, device)
+
+            def make_sparse(world: Optional[int] = None) -> SparseChannel:
+                return SparseChannel(plan, group, d.diloco_outer_topk, d.diloco_outer_bits, d.diloco_outer_beta,
+                                     d.diloco_outer_error_feedback, device, name=key, ops=ops, clock=stats.clock,
+                                     world=world, mean=d.diloco_outer_topk_mean)
+            return make_sparse
+
         def make(world: Optional[int] = None) -> OuterChannel:
             return OuterChannel(numel, group, 0 if exact else d.diloco_outer_bits, lc.loco_block_size,
                                 options, d.diloco_outer_error_feedback, d.diloco_outer_beta, kernels, device,
@@ -75,7 +89,7 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
 
     if coordinator is None:
         channels, makers = _shard_channels(config, optimizer, fragment, outer_group(d.diloco_replicas), ops,
-                                           channel_maker)
+                                           channel_maker, _tp_replicated(chunks, config))
     else:
         from loco_megatron.diloco.elastic.setup import lane_channels
 
@@ -101,10 +115,34 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
     return elastic_outer_step(config, args, options, space, coordinator, makers)
 
 
+def _tp_stream_rank() -> int:
+    """This rank's place in the run with its TP coordinate left out (TP is innermost in the
+    rank order): the TP peers of a replicated parameter round it alike."""
+    from megatron.core import parallel_state as ps
+
+    return dist.get_rank() - ps.get_tensor_model_parallel_rank()
+
+
+def _tp_replicated(chunks: list, config: Config) -> set[int]:
+    """ids of the dense parameters TP replicates (not split: norms, row-parallel biases,
+    learned position embeddings), with TP > 1 (else none)."""
+    if config.parallel.tensor_model_parallel_size == 1:
+        return set()
+    return {id(p) for chunk in chunks for p in chunk.parameters()
+            if not getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True)}
+
+
 def _shard_channels(config: Config, optimizer, fragment: Callable, group, ops: CollectiveOps,
-                    channel_maker: Callable) -> tuple[dict, dict]:
+                    channel_maker: Callable, replicated: set[int] = frozenset()) -> tuple[dict, dict]:
     """One world: per sub-optimizer and fragment, this rank's shards (rank k of each replica
-    holds the same ones and exchanges with the others' rank k over ``group``)."""
+    holds the same ones and exchanges with the others' rank k over ``group``).
+
+    The parameters TP replicates (``replicated``) exchange in channels of their own
+    (``.tp``): in a channel with TP-split parameters a compressed exchange's blocks (and a
+    ring all-reduce's summation order) would mix them with values that differ between the
+    TP ranks, and the copies would leave the outer step different. Their own channel holds
+    the same elements in the same order on every TP rank, and rounds them alike (its
+    stochastic-rounding stream is the TP group's, not the rank's)."""
     from loco_megatron.loco.hooks.diloco import main_shards
 
     channels, makers = {}, {}
@@ -114,10 +152,14 @@ def _shard_channels(config: Config, optimizer, fragment: Callable, group, ops: C
             # A tied embedding split over two pipeline stages: both copies must get the same
             # update, wherever each sits in its stage's shard (see exchange.py, exact).
             tied = getattr(param, "shared_embedding", False) and config.parallel.pipeline_model_parallel_size > 1
-            per_channel.setdefault((fragment(param), tied), []).append((view, (param, start, end)))
-        for f, tied in sorted(per_channel):
-            views = ShardViews([v for v, _ in per_channel[f, tied]], [s for _, s in per_channel[f, tied]])
-            key = f"opt{i}.fragment{f}" + (".tied" if tied else "")
-            makers[key] = channel_maker(views.numel, key, views.views[0].device, group, ops, None, exact=tied)
+            tp = not tied and id(param) in replicated
+            per_channel.setdefault((fragment(param), tied, tp), []).append((view, (param, start, end)))
+        for f, tied, tp in sorted(per_channel):
+            pairs = per_channel[f, tied, tp]
+            views = ShardViews([v for v, _ in pairs], [s for _, s in pairs])
+            key = f"opt{i}.fragment{f}" + (".tied" if tied else "") + (".tp" if tp else "")
+            makers[key] = channel_maker(views.numel, key, views.views[0].device, group, ops,
+                                        _tp_stream_rank() if tp else None, exact=tied,
+                                        pieces=slice_pieces(views.slices))
             channels[key] = (views, makers[key](), i, f)
     return channels, makers

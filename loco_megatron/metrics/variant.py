@@ -30,6 +30,11 @@ def _describe_diloco(config: dict) -> str:
     bits = config.get("diloco_outer_bits", 0)
     outer = "fp32" if not bits else (f"{bits}-bit, no error feedback" if config.get("diloco_outer_error_feedback")
                                      is False else f"LoCo {bits}-bit")
+    if config.get("diloco_outer_topk"):
+        outer = (f"SparseLoCo top {config['diloco_outer_topk']}/{config.get('diloco_outer_chunk', 4096)} "
+                 f"{f'{bits}-bit' if bits else 'fp32'}"
+                 + (", no error feedback" if config.get("diloco_outer_error_feedback") is False else "")
+                 + (", mean over all replicas" if config.get("diloco_outer_topk_mean") == "all" else ""))
     label = f" + DiLoCo {replicas}x H{config.get('diloco_inner_steps')}"
     fragments, tau = config.get("diloco_fragments", 1), config.get("diloco_sync_delay", 0)
     if fragments > 1 or tau:
@@ -63,8 +68,10 @@ def variant(config: dict) -> str:
     if pbits:
         label += f" + params {pbits}-bit"
     label += _describe_diloco(config)
-    default = default_outer_lr(config.get("diloco_inner_steps", 32))
-    if config.get("diloco_replicas") and (config.get("diloco_outer_lr", default), config.get("diloco_outer_momentum", 0.9)) \
-            != (default, 0.9):
+    # (the defaults: DiLoCo's measured LR with momentum 0.9, SparseLoCo's SGD at LR 1)
+    h = config.get("diloco_inner_steps", 32)
+    default = (1.0, 0.0) if config.get("diloco_outer_topk") else (default_outer_lr(h), 0.9)
+    if config.get("diloco_replicas") and (config.get("diloco_outer_lr", default[0]),
+                                          config.get("diloco_outer_momentum", default[1])) != default:
         label += f" (lr {config.get('diloco_outer_lr')}, momentum {config.get('diloco_outer_momentum')})"
     return f"{label} | {'bf16' if config.get('bf16') else 'fp32'}"

@@ -19,9 +19,11 @@ from loco_megatron.platform import Platform
 def kernels_used(config: Config) -> bool:
     """Whether anything runs LoCo's kernels: the gradient compression (--loco-bits), the
     parameter gather (--param-gather-bits) or DiLoCo's quantised outer exchange
-    (--diloco-outer-bits with --diloco-replicas, :mod:`loco_megatron.diloco.setup`)."""
+    (--diloco-outer-bits with --diloco-replicas, :mod:`loco_megatron.diloco.setup`; not
+    SparseLoCo's, :mod:`loco_megatron.diloco.sparse`)."""
     lc, d = config.loco, config.diloco
-    return lc.loco_bits > 0 or lc.param_gather_bits > 0 or (d.enabled and d.diloco_outer_bits > 0)
+    return lc.loco_bits > 0 or lc.param_gather_bits > 0 or (d.enabled and d.diloco_outer_bits > 0
+                                                             and not d.sparse_outer)
 
 
 class BackgroundBuild:

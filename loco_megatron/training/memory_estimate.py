@@ -154,7 +154,8 @@ def _fsdp_parts(config: Config, here: float, dp: int, vocab: int, weight_bytes: 
 def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     """Bytes per GPU (see the module doc) for ``config`` on ``world_size`` ranks, with a
     ``vocab_size``-token tokenizer (padded here as the model pads it). Keys: :data:`PARTS`,
-    ``total`` (their sum), ``params`` (the whole model's), ``dp`` and ``expert_dp``.
+    ``total`` (their sum), ``params`` (the whole model's), ``dp``, ``expert_dp`` and
+    ``outer_elements`` (DiLoCo's outer state on one rank: its shard, or an elastic lane).
     Raises ConfigError when the layout does not fit ``world_size``."""
     from loco_megatron.model import padded_vocab_size
 
@@ -199,7 +200,9 @@ def estimate(config: Config, world_size: int, vocab_size: int) -> dict:
     if p.use_megatron_fsdp:
         out.update(_fsdp_parts(config, here, dp, vocab, weight_bytes, grad_bytes, optimizer_bytes))
     out["total"] = sum(out[k] for k in PARTS)
-    out.update(params=total, dp=dp, expert_dp=expert_dp)
+    out.update(params=total, dp=dp, expert_dp=expert_dp, outer_elements=(
+        total / (config.diloco.diloco_outer_ranks or 1) if config.diloco.elastic  # (elastic: per lane)
+        else dense_here / shard[0] + experts_here / shard[1]))
     return out
 
 

@@ -21,6 +21,7 @@ from loco_megatron.config import Config, ConfigError
 from loco_megatron.data.hub import InputNotHere
 from loco_megatron.data.tokenizer import load_tokenizer
 from loco_megatron.diloco.layout import check_replicas, describe
+from loco_megatron.diloco.payload import payload_line
 from loco_megatron.training.memory_estimate import compressed_groups, estimate, estimate_line, optimizer_line
 
 # loco_megatron.model and .summary import torch (seconds on a busy machine): they are imported
@@ -147,7 +148,8 @@ def dry_run(config: Config, world_size: int, offline: bool = False, world_source
         layout_line(config, world_size, dp, expert_dp),
         batch_line(config, dp),
         loco,
-        *([describe(config, world_size)] if config.diloco.enabled else []),
+        *([describe(config, world_size), payload_line(config, est["outer_elements"])] if config.diloco.enabled
+          else []),
         optimizer_line(config, est),
         estimate_line(est),
     ]

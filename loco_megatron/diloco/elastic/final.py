@@ -94,6 +94,8 @@ class EndOfRun:
             if scale != 1.0:
                 delta.mul_(scale)
             channel.mean_over = max(cycle.contributors, 1)
+            if hasattr(channel, "weight"):  # (SparseLoCo's payload carries it: ReplicaStep._start)
+                channel.weight = scale
             work = channel.start(delta)
             if isinstance(work, OuterWork):
                 work.wait()

@@ -165,6 +165,17 @@ class Space:
         base, size = self.base[key], math.prod(self.shapes[key])
         return max(lo - base, 0), min(hi - base, size)
 
+    def lane_pieces(self, j: int) -> list[tuple[int, tuple, int]]:
+        """Lane ``j`` as runs of the keys' boxes, in lane order: ``(length, box shape, start)``
+        each, elements ``[start, start + length)`` of the key's box, row-major (what
+        SparseLoCo's chunks are cut by, :mod:`loco_megatron.diloco.sparse.chunks`)."""
+        out = []
+        for k in self.keys:
+            a, b = self._range(k, j)
+            if a < b:
+                out.append((b - a, self.shapes[k], a))
+        return out
+
     def lane_boxes(self, key: str, j: int) -> list[tuple[tuple, tuple]]:
         """The boxes of ``key``'s global tensor that lane ``j`` holds (global coordinates),
         in flat order."""

@@ -232,7 +232,7 @@ class ReplicaStep(OuterStep):
         self._log(f"DiLoCo: healed from replica {record.source} over torchft's transport: the agreed parameters "
                   f"and outer momentum ({nbytes / 2**20:.2f} MiB in lane 0), iteration {record.iteration}, the LR "
                   f"schedule's position and the batch split")
-        self._restart_outer(record.outer_steps)
+        self._restart_outer(record.outer_steps, healed=True)
         self._synced_at = dict(record.synced_at)
         if self.split.mode != "fixed":
             self._take_split(record.shares, record.split if record.shares else 0)
@@ -248,16 +248,27 @@ class ReplicaStep(OuterStep):
                 else:
                     self.momentum[key].copy_(momentum[key])
 
+    def _start(self, key: str, t: int) -> None:
+        # (a SparseLoCo payload carries the factor its gradient is scaled by: a mean over an
+        # entry's senders renormalises by their weights)
+        channel = self.channels[key][1]
+        if hasattr(channel, "weight"):
+            channel.weight = self.outer_scale
+        super()._start(key, t)
+
     def _holds_errors(self) -> bool:
         """Whether the channels may hold outer error buffers worth announcing when they are
         reset: a compressed exchange (its compressor) after at least one outer step."""
         return self.outer_steps > 0 and any(ch.comp1 is not None for _, ch, _, _ in self.channels.values())
 
-    def _restart_outer(self, outer_steps: int) -> None:
+    def _restart_outer(self, outer_steps: int, healed: bool = False) -> None:
         """After the agreed state changed hands (a heal, an agreement): nothing in flight, error
-        buffers at zero, the local parameters the agreed ones, every fragment's interval anew."""
+        buffers at zero, the local parameters the agreed ones, every fragment's interval anew.
+        A heal says so also before this job's first outer step where the buffers are the
+        replica's own (SparseLoCo's: a restarted replica heals without them)."""
         dropped = len(self.pending)
-        had_errors = self._holds_errors()
+        had_errors = self._holds_errors() or healed and any(
+            getattr(ch, "world_independent", False) and ch.comp1 is not None for _, ch, _, _ in self.channels.values())
         self.pending, self._snapshots, self._open = {}, {}, None
         for _, channel, _, _ in self.channels.values():
             channel.reset()

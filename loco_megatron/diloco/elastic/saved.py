@@ -107,12 +107,21 @@ class ReplicaCheckpoint(ReplicaStep):
         self.samples_trained = int(saved.get("samples_trained", 0))
         self._since = {f: int(saved.get("since", {}).get(str(f), self.samples_trained)) for f in self._since}
 
-    def _lay(self, contributors: tuple) -> None:
-        """Every channel anew, laid for ``contributors`` (a row each, in this order; error
-        buffers at zero)."""
-        for key, (views, _, sub, frag) in list(self.channels.items()):
-            self.channels[key] = (views, self._relay(key, len(contributors)), sub, frag)
+    def _lay(self, contributors: tuple) -> bool:
+        """Every channel anew, laid for ``contributors`` (a row each, in this order). A
+        channel whose state does not depend on the replicas (``world_independent``:
+        SparseLoCo's error buffer) takes its predecessor's; the others start with error
+        buffers at zero. Returns whether any channel's error buffers were dropped so."""
+        dropped = False
+        for key, (views, old, sub, frag) in list(self.channels.items()):
+            fresh = self._relay(key, len(contributors))
+            if getattr(old, "world_independent", False):
+                fresh.load_state_dict(old.state_dict())
+            else:
+                dropped = dropped or old.comp1 is not None
+            self.channels[key] = (views, fresh, sub, frag)
         self._laid_for = tuple(contributors)
+        return dropped
 
     def _agree_on_loaded(self) -> None:
         """Outer state afresh from the loaded model (the lanes read from the shards)."""

@@ -48,7 +48,8 @@ def lane_channels(config: Config, chunks: list, optimizer, fragment: Callable, c
         if mover.lane is not None and mover.numel:
             # stochastic rounding: this lane's place among every replica's lanes
             makers[key] = channel_maker(mover.numel, key, coordinator.device, None, coordinator.ops,
-                                        d.diloco_replica_id * coordinator.lanes + mover.lane)
+                                        d.diloco_replica_id * coordinator.lanes + mover.lane,
+                                        pieces=space.lane_pieces(mover.lane))
         else:
             makers[key] = NoLane
         channels[key] = (LaneViews(mover), makers[key](), 0, f)

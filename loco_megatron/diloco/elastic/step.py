@@ -252,8 +252,7 @@ class ElasticOuterStep(EndOfRun, ReplicaCheckpoint):
         if contributors != self._laid_for:
             had_errors = self._holds_errors()
             were = len(self._laid_for)
-            self._lay(contributors)
-            if had_errors:  # (fresh channels: the compressed outer gradients' error buffers at zero)
+            if self._lay(contributors) and had_errors:  # (fresh channels: their error buffers at zero)
                 self._log(f"DiLoCo: {len(contributors)} replica(s) take part{f' (were {were})' if were else ''}: the "
                           f"outer exchange is re-laid for them, its error buffers start at zero")
         for _, channel, _, _ in self.channels.values():
