@@ -80,6 +80,24 @@ def test_schedule_streaming_staggers_one_fragment_at_a_time():
         assert [t for t in range(1, 257) if f in s.applies(t)] == [t + 8 for t in starts[f] if t + 8 <= 256]
 
 
+def test_schedule_eager_applies_at_the_next_sync():
+    """Guards against an eager exchange applied where it starts (a blocking wait: nothing
+    overlapped), more than one interval late, or a second phase that waits for the first at
+    the very next step (half the interval is what phase 1 has to cross the link): H 8, F 2:
+    fragment 0 syncs at 4, 12, 20, its exchange of 4 is applied at 12 (where 12's starts),
+    the second phase runs 4 steps after each start, and a checkpoint at any step after a
+    fragment's first sync carries that fragment's latest exchange."""
+    s = FragmentSchedule(8, 2, 0, True)
+    assert [t for t in range(1, 25) if 0 in s.starts(t)] == [4, 12, 20]
+    assert [t for t in range(1, 25) if 0 in s.applies(t)] == [12, 20]
+    assert [t for t in range(1, 25) if 0 in s.second_phase(t)] == [8, 16, 24]
+    assert all(s.updates(t) == s.starts(t) for t in range(25))  # every sync steps (the first with no mean yet)
+    assert s.in_flight(3) == [] and s.in_flight(4) == [(0, 4)] and s.in_flight(9) == [(0, 4), (1, 8)]
+    assert s.in_flight(12) == [(1, 8), (0, 12)]
+    assert FragmentSchedule(*s.as_list()) == s and FragmentSchedule(8, 2).as_list() == [8, 2, 0]
+    assert not FragmentSchedule(1, 1, 0, True).split_phases  # H 1: both phases at the next sync
+
+
 def test_fragment_of():
     """Guards against layers assigned out of order, the embedding or head in the wrong
     fragment, or a tied output layer (another pipeline stage's copy of the embedding)
@@ -156,8 +174,11 @@ def test_diloco_refuses_what_it_cannot_run():
 def test_outer_memory_formula():
     """Guards against a dry-run memory estimate that leaves out the outer state or counts
     it without the optimizer's sharding: 4 B agreed + 4 B momentum + 4/F B in flight + the
-    two int8 error buffers per element of the rank's shard; nothing without DiLoCo."""
+    two int8 error buffers per element of the rank's shard; nothing without DiLoCo; eager
+    updates: every fragment in flight and the own parameters, momentum and sent gradient."""
     cfg = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4))
     per = 4 + 4 + 1 + (1 + 4 / 256) * 1.5
     assert outer_memory_bytes(cfg, 1000) == pytest.approx(per * 1000)
     assert outer_memory_bytes(Config(), 1000) == 0
+    eager = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4, diloco_eager=True))
+    assert outer_memory_bytes(eager, 1000) == pytest.approx((per + 3 + 4 + 4 + 4) * 1000)

@@ -39,3 +39,26 @@ def mix_into(local: torch.Tensor, agreed: torch.Tensor, alpha: float) -> None:
         local.copy_(agreed)
     else:
         local.mul_(alpha).add_(agreed, alpha=1.0 - alpha)
+
+
+def eager_gradient(out: torch.Tensor, mean: torch.Tensor | None, sent: torch.Tensor, sent_weight: float,
+                   payload: torch.Tensor, weight: float) -> None:
+    """Eager updates (Kale et al., arXiv 2502.12996): the outer gradient a replica steps its
+    own outer parameters with, before the mean of its latest outer gradient has arrived::
+
+        out = mean - sent_weight * sent + weight * payload
+
+    ``mean``: the committed mean of the exchange started one interval earlier (None: none
+    arrived, nothing of it is applied); ``sent``: this replica's outer gradient in that
+    exchange, whose share of the mean (``sent_weight * sent``) it applied eagerly last time
+    and now takes back out; ``payload``: what it sends now (its fresh outer gradient, plus
+    ``sent`` again when that exchange was discarded), of which its own share
+    (``weight * payload``, ``weight`` = its weight in the mean, 1/R for R equal replicas)
+    stands in for the mean that has not arrived. With the mean committed this is the paper's
+    ``mean_{k-1} + (delta_k - delta_{k-1}) / R``; ``weight`` 0 is the naive one-interval
+    delay (the mean alone, a replica's own gradient never applied ahead of it)."""
+    if mean is None:
+        torch.mul(sent, -sent_weight, out=out)
+    else:
+        torch.add(mean, sent, alpha=-sent_weight, out=out)
+    out.add_(payload, alpha=weight)
