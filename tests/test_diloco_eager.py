@@ -500,3 +500,51 @@ def test_eager_runs_are_labelled_apart():
     labels = {describe(base), describe({**base, "diloco_eager": True}),
               describe({**base, "diloco_eager": True, "diloco_eager_naive": True})}
     assert len(labels) == 3 and any(label.endswith("H32 eager outer LoCo 4-bit") for label in labels), labels
+
+
+def test_eager_resume_that_cannot_take_the_saved_mean_carries_it(tmp_path):
+    """Guards against a resume that silently loses an interval: when the saved exchange in
+    flight cannot be taken back (another --diloco-inner-steps: it is dropped, one line says
+    so), the payload it carried must go out again with the next exchange, not vanish; a
+    checkpoint of a run without eager updates starts the eager state afresh in one line
+    (the replica's own parameters are then the agreed ones); another layout (no per-rank
+    part) starts it afresh too, the caller's layout line saying so. One rank, 4-bit, F 2."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        params = _start(SIZES, 2)
+        outer = _outer(params, 4, 2, MU)
+        for t in range(1, SAVE_AT + 1):
+            _inner(params, 0, t)
+            outer.after_step(t)
+        outer.settle()
+        sd = _roundtrip(outer.state_dict())
+        sent = {k: s.sent.clone() for k, s in outer.eager.items()}
+
+        log: list = []
+        other = _outer([[p.clone() for p in ps] for ps in params], 4, 2, MU, log=log.append)
+        other.load_state_dict({**sd, "schedule": [8, 2, 0, 1]})
+        assert not other.pending and log == [
+            "DiLoCo: the outer schedule changes from H 8, F 2, tau 0, eager (checkpoint) to H 4, F 2, tau 0, eager: "
+            "each fragment's next outer step follows the new one; the 2 outer exchange(s) in flight are dropped"], log
+        state = other.eager["opt0.fragment1"]
+        assert torch.equal(state.sent, sent["opt0.fragment1"])
+        views = other.channels["opt0.fragment1"][0]
+        for t in (7, 8):  # (fragment 1 syncs at 8, fragment 0 at 10)
+            for k, v in enumerate(views.views):
+                v.sub_(0.01 * _grad(0, t, v.numel(), 10 + k))
+            if t == 8:
+                fresh = state.own - torch.cat([v.clone() for v in views.views])
+            other.after_step(t)
+        assert torch.allclose(state.sent, fresh + sent["opt0.fragment1"], atol=1e-6, rtol=0)
+
+        for changed, line in (({"per_rank": {**sd["per_rank"], "eager": {}}},
+                               "the eager outer state starts afresh (the checkpoint has none"),
+                              ({"per_rank": None}, None)):
+            log.clear()
+            fresh_step = _outer([[p.clone() for p in ps] for ps in params], 4, 2, MU, log=log.append)
+            fresh_step.load_state_dict({**sd, **changed})
+            for key, s in fresh_step.eager.items():
+                assert torch.equal(s.own, fresh_step.agreed[key]) and not s.sent.any(), key
+            assert (line in log[0]) if line else not log, log
+    finally:
+        dist.destroy_process_group()
