@@ -73,8 +73,9 @@ class EagerState:
         return cls(agreed.clone(), None if momentum is None else momentum.clone(), torch.zeros_like(agreed))
 
     def state_dict(self) -> dict:
-        return {"own": self.own.clone(), "own_momentum": None if self.own_momentum is None else self.own_momentum.clone(),
-                "sent": self.sent.clone(), "sent_weight": self.sent_weight}
+        momentum = None if self.own_momentum is None else self.own_momentum.clone()
+        return {"own": self.own.clone(), "own_momentum": momentum, "sent": self.sent.clone(),
+                "sent_weight": self.sent_weight}
 
     def load_state_dict(self, sd: dict) -> None:
         """ValueError when ``sd`` does not fit (another size, or momentum where none is kept)."""
