@@ -54,7 +54,7 @@ def checked_outer_step(config, chunks, optimizer, stats, log):
         for key, (views, _, _, f) in outer.channels.items():
             if eager is not None and f in outer.schedule.starts(t):
                 same = identical_across([outer.agreed[key]], group)
-                own = all(torch.equal(v, part) for v, part in views._pairs(eager[key].own))
+                own = all(torch.equal(v, part) for v, part in views._pairs(eager[key].own(outer.agreed[key])))
                 _say(f"AGREED rank={rank} iter={t} key={key} identical={same} own={own}")
             elif f in applied:
                 same = identical_across([torch.cat(views.views)], group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import traceback
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from loco_megatron.config import ConfigError, DiLoCoConfig, LoCoConfig
 from loco_megatron.diloco.eager import EagerOuterStep
 from loco_megatron.diloco.exchange import OuterChannel
 from loco_megatron.diloco.outer import ShardViews
-from loco_megatron.diloco.outer_math import eager_gradient, nesterov_step
+from loco_megatron.diloco.outer_math import eager_correction, nesterov_step
 from loco_megatron.diloco.schedule import FragmentSchedule
 from loco_megatron.loco.quantize import QuantOptions
 
@@ -101,16 +102,18 @@ def _paper(replicas: int, fragments: int, steps: int, lr: float, mu: float, naiv
 
 def _pure(replicas: int, fragments: int, steps: int, lr: float, mu: float, naive: bool = False,
           discard: tuple = ()) -> dict:
-    """The same run through :func:`eager_gradient` and :func:`nesterov_step` with the state
-    EagerOuterStep keeps (own, own momentum, sent, sent weight); ``discard``: (fragment,
-    sync) whose exchange never arrives (elastic: a discarded cycle), so its payload goes out
-    again with the next one."""
+    """The same run through :func:`eager_correction` and :func:`nesterov_step` with the state
+    EagerOuterStep keeps (the agreed parameters and momentum; per replica its eager part E,
+    E_m and what it sent, with the weight); ``discard``: (fragment, sync) whose exchange
+    never arrives (elastic: a discarded cycle), so its payload goes out again with the next
+    one. Returns the trace, the agreed parameters, each replica's own outer parameters
+    (A + E) and what each sent last."""
     sched = FragmentSchedule(H, fragments, eager=True)
     locals_ = [[torch.cat(ps) for ps in _start(SIZES, fragments)] for _ in range(replicas)]
     agreed = [x.clone() for x in locals_[0]]
     momentum = [torch.zeros_like(a) if mu else None for a in agreed]
-    own = [[x.clone() for x in locals_[0]] for _ in range(replicas)]
-    own_m = [[torch.zeros_like(a) if mu else None for a in agreed] for _ in range(replicas)]
+    offset = [[torch.zeros_like(a) for a in agreed] for _ in range(replicas)]
+    offset_m = [[torch.zeros_like(a) if mu else None for a in agreed] for _ in range(replicas)]
     sent = [[torch.zeros_like(a) for a in agreed] for _ in range(replicas)]
     sent_w = [[0.0] * fragments for _ in range(replicas)]
     flight = {}
@@ -121,24 +124,23 @@ def _pure(replicas: int, fragments: int, steps: int, lr: float, mu: float, naive
                 x.sub_(0.01 * torch.cat([_grad(r, t, s, 10 * f + k) for k, s in enumerate(SIZES[f])]))
         for f in sched.starts(t):
             mean = flight.pop(f, None)
-            payloads = []
-            for r in range(replicas):
-                payload = own[r][f] - locals_[r][f]
-                if mean is None:
-                    payload = payload + sent[r][f]
-                w = 0.0 if naive else 1.0 / replicas
-                g = torch.empty_like(payload)
-                eager_gradient(g, mean, sent[r][f], sent_w[r][f], payload, w)
-                nesterov_step(own[r][f], own_m[r][f], g, lr, mu)
-                locals_[r][f].copy_(own[r][f])
-                sent[r][f], sent_w[r][f] = payload.clone(), w
-                payloads.append(payload)
-            if mean is not None:
+            payloads = [agreed[f] + offset[r][f] - locals_[r][f] for r in range(replicas)]
+            if mean is None:
+                payloads = [p + sent[r][f] for r, p in enumerate(payloads)]
+            else:
                 nesterov_step(agreed[f], momentum[f], mean.clone(), lr, mu)
+            for r in range(replicas):
+                w = 0.0 if naive else 1.0 / replicas
+                c = torch.empty_like(payloads[r])
+                eager_correction(c, sent[r][f], sent_w[r][f], payloads[r], w)
+                nesterov_step(offset[r][f], offset_m[r][f], c, lr, mu)
+                locals_[r][f].copy_(agreed[f] + offset[r][f])
+                sent[r][f], sent_w[r][f] = payloads[r].clone(), w
             if (f, t) not in discard:
                 flight[f] = torch.stack(payloads).mean(0)
         trace.append([[x.clone() for x in locals_[r]] for r in range(replicas)])
         agreed_trace.append([a.clone() for a in agreed])
+    own = [[agreed[f] + offset[r][f] for f in range(fragments)] for r in range(replicas)]
     return {"trace": trace, "agreed": agreed_trace, "own": own, "sent": sent}
 
 
@@ -233,16 +235,24 @@ def _run(rank: int, bits: int, fragments: int, mu: float, naive: bool = False) -
     params = _start(SIZES, fragments)
     outer = _outer(params, bits, fragments, mu, naive)
     means = {}
-    arrived = outer._arrived
+    settled, stepping = outer._settled_mean, [False]
 
-    def recording(key: str):  # {(fragment, start iteration): the mean applied}
-        start = outer.pending[key][0] if key in outer.pending else None
-        mean = arrived(key)
-        if mean is not None:
+    def recording(key: str):  # {(fragment, start iteration): the mean applied at a sync}
+        start = outer.pending[key][0]
+        mean = settled(key)
+        if stepping[0]:
             means[int(key[-1]), start] = mean.clone()
         return mean
 
-    outer._arrived = recording
+    outer._settled_mean = recording
+    after_step = outer.after_step
+
+    def stepped(t: int) -> None:
+        stepping[0] = True
+        after_step(t)
+        stepping[0] = False
+
+    outer.after_step = stepped
     trace, resumed_trace, saved = [], [], None
     for t in range(1, STEPS + 1):
         _inner(params, rank, t)
@@ -280,12 +290,17 @@ def _worker(rank, world, port, queue):
         buf = io.BytesIO()  # (bytes, not tensors: nothing shared with a process that exits)
         torch.save({name: _run(rank, *case) for name, case in CASES.items()}, buf)
         queue.put((rank, buf.getvalue()))
+    except Exception:  # (the test fails at once, with the worker's traceback)
+        queue.put((rank, traceback.format_exc()))
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def _results(world: int) -> dict:
     got = spawn_ranks(_worker, world, world, timeout=600)
+    errors = [data for _, data in got if isinstance(data, str)]
+    assert not errors, errors[0]
     return {rank: torch.load(io.BytesIO(data), weights_only=False) for rank, data in got}
 
 
@@ -533,7 +548,7 @@ def test_eager_resume_that_cannot_take_the_saved_mean_carries_it(tmp_path):
             for k, v in enumerate(views.views):
                 v.sub_(0.01 * _grad(0, t, v.numel(), 10 + k))
             if t == 8:
-                fresh = state.own - torch.cat([v.clone() for v in views.views])
+                fresh = state.own(other.agreed["opt0.fragment1"]) - torch.cat([v.clone() for v in views.views])
             other.after_step(t)
         assert torch.allclose(state.sent, fresh + sent["opt0.fragment1"], atol=1e-6, rtol=0)
 
@@ -544,7 +559,7 @@ def test_eager_resume_that_cannot_take_the_saved_mean_carries_it(tmp_path):
             fresh_step = _outer([[p.clone() for p in ps] for ps in params], 4, 2, MU, log=log.append)
             fresh_step.load_state_dict({**sd, **changed})
             for key, s in fresh_step.eager.items():
-                assert torch.equal(s.own, fresh_step.agreed[key]) and not s.sent.any(), key
+                assert not s.offset.any() and not s.sent.any(), key
             assert (line in log[0]) if line else not log, log
     finally:
         dist.destroy_process_group()

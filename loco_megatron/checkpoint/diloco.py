@@ -23,7 +23,8 @@ A checkpoint written with ``--diloco-replicas R`` holds
   step, so it continues exactly as a run that never stopped;
 * per rank, under the layout tag (:data:`.torch_dist.PER_RANK`): the outer error buffers,
   the settled means of the exchanges in flight and, under --diloco-eager, the replica's
-  own outer parameters, momentum and sent outer gradient
+  eager part (its own outer parameters and momentum minus the agreed ones) and sent outer
+  gradient
   (:class:`~loco_megatron.diloco.eager.EagerState`).
 
 At load, replica ``r`` of a run with ``R'`` replicas reads saved replica ``r mod R`` (a

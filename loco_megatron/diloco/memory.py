@@ -12,8 +12,8 @@ def outer_memory_bytes(config: Config, params_per_rank: float) -> float:
     a compressed exchange with error feedback (int8 + one fp32 scale per block: the rank's
     own outer gradient, and the 1/R of it whose mean the rank re-quantises) and the largest
     fragment's outer gradient in flight (4 B per element / F). Eager updates hold every
-    fragment's exchange in flight (4 B) and the replica's own outer parameters, momentum and
-    sent outer gradient (4 + 4 + 4 B). 0 without DiLoCo."""
+    fragment's exchange in flight (4 B) and the replica's eager part (parameters and
+    momentum) and sent outer gradient (4 + 4 + 4 B). 0 without DiLoCo."""
     d = config.diloco
     if not d.enabled:
         return 0.0

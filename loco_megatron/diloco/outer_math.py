@@ -41,24 +41,20 @@ def mix_into(local: torch.Tensor, agreed: torch.Tensor, alpha: float) -> None:
         local.mul_(alpha).add_(agreed, alpha=1.0 - alpha)
 
 
-def eager_gradient(out: torch.Tensor, mean: torch.Tensor | None, sent: torch.Tensor, sent_weight: float,
-                   payload: torch.Tensor, weight: float) -> None:
-    """Eager updates (Kale et al., arXiv 2502.12996): the outer gradient a replica steps its
-    own outer parameters with, before the mean of its latest outer gradient has arrived::
+def eager_correction(out: torch.Tensor, sent: torch.Tensor, sent_weight: float, payload: torch.Tensor,
+                     weight: float) -> None:
+    """Eager updates (Kale et al., arXiv 2502.12996): what a replica adds to the mean of the
+    exchange that just arrived to step its own outer parameters, before the mean of its
+    latest outer gradient has arrived::
 
-        out = mean - sent_weight * sent + weight * payload
+        out = weight * payload - sent_weight * sent
 
-    ``mean``: the committed mean of the exchange started one interval earlier (None: none
-    arrived, nothing of it is applied); ``sent``: this replica's outer gradient in that
-    exchange, whose share of the mean (``sent_weight * sent``) it applied eagerly last time
-    and now takes back out; ``payload``: what it sends now (its fresh outer gradient, plus
-    ``sent`` again when that exchange was discarded), of which its own share
-    (``weight * payload``, ``weight`` = its weight in the mean, 1/R for R equal replicas)
-    stands in for the mean that has not arrived. With the mean committed this is the paper's
-    ``mean_{k-1} + (delta_k - delta_{k-1}) / R``; ``weight`` 0 is the naive one-interval
-    delay (the mean alone, a replica's own gradient never applied ahead of it)."""
-    if mean is None:
-        torch.mul(sent, -sent_weight, out=out)
-    else:
-        torch.add(mean, sent, alpha=-sent_weight, out=out)
-    out.add_(payload, alpha=weight)
+    ``payload``: what it sends now (its fresh outer gradient, plus ``sent`` again when no
+    exchange of ``sent`` arrived), whose own share (``weight`` = its weight in the mean, 1/R
+    for R equal replicas) stands in for the mean still on the wire; ``sent``: what it sent
+    last, whose share it applied ahead (with ``sent_weight``) and now takes back out, as the
+    mean that arrived holds it (or, when none did, goes out again in ``payload``). With the
+    mean ``g`` arrived, ``g + out`` is the paper's eager outer gradient
+    ``g_{k-1} + (d_k - d_{k-1}) / R``; ``weight`` 0 is the naive one-interval delay."""
+    torch.mul(payload, weight, out=out)
+    out.sub_(sent, alpha=sent_weight)
