@@ -347,12 +347,16 @@ def test_eager_outer_step_on_gloo_ranks(world):
      "--diloco-eager: overlaps the whole outer interval; --diloco-sync-delay 1 must be 0"),
     ({"diloco_eager_naive": True}, "--diloco-eager-naive: needs --diloco-eager"),
     ({"diloco_eager": True, "diloco_mixing_factor": 0.5}, "--diloco-mixing-factor: 0.5 needs --diloco-sync-delay"),
+    ({"diloco_eager": True, "diloco_fragments": 2, "diloco_lighthouse": "http://localhost:29510",
+      "diloco_replica_id": 0}, "--diloco-eager: with --diloco-lighthouse needs --diloco-fragments 1 \\(not 2\\)"),
 ])
 def test_eager_refuses_what_it_cannot_compose_with(flags, message):
     """Guards against eager updates starting with a Streaming delay (the exchange would be
     applied twice over: tau steps after its start and at the next sync) or a mixing factor
-    (the replicas' own parameters are the eager step's, not a mix), or the naive control
-    without eager updates (silently plain DiLoCo): one line naming the flag."""
+    (the replicas' own parameters are the eager step's, not a mix), the naive control
+    without eager updates (silently plain DiLoCo), or elastic eager updates over several
+    fragments (their cycles would overlap: one closes before the next opens): one line
+    naming the flag."""
     with pytest.raises(ConfigError, match=message):
         DiLoCoConfig(diloco_replicas=2, **flags)
 

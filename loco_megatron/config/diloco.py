@@ -69,8 +69,9 @@ class DiLoCoConfig:
     the mean of the exchange started one interval earlier is applied to the agreed
     parameters, and each replica steps its own outer parameters with that mean, in which
     its fresh outer gradient stands in for its share of the mean still on the wire
-    (docs/diloco.md, "Eager updates"). Applies to every fragment; --diloco-sync-delay must
-    be 0 (the exchange overlaps the whole interval already)."""
+    (docs/diloco.md, "Eager updates"). Applies to every fragment (elastic DiLoCo: one
+    fragment); --diloco-sync-delay must be 0 (the exchange overlaps the whole interval
+    already)."""
     diloco_eager_naive: bool = False
     """With --diloco-eager: the naive one-interval delay instead (the paper's control): the
     replicas step with the delayed mean alone, their fresh outer gradient never applied
@@ -152,8 +153,9 @@ class DiLoCoConfig:
                 f"overlaps the whole outer interval; --diloco-sync-delay {self.diloco_sync_delay} must be 0 with it")
         require(not self.diloco_eager_naive or self.diloco_eager, "diloco_eager_naive",
                 "needs --diloco-eager (it is the eager exchange's naive control)")
-        require(not self.diloco_eager or not self.elastic, "diloco_eager",
-                "is not available with --diloco-lighthouse yet (elastic DiLoCo exchanges in lockstep)")
+        require(not (self.diloco_eager and self.elastic) or self.diloco_fragments == 1, "diloco_eager",
+                f"with --diloco-lighthouse needs --diloco-fragments 1 (not {self.diloco_fragments}): an elastic "
+                "cycle closes before the next opens, and an eager one stays open for the whole interval")
         # With tau 0 the replicas take the agreed parameters at once: mixing their own back
         # in would keep them apart for good (they never agree again).
         require(not self.diloco_mixing_factor or self.diloco_sync_delay > 0, "diloco_mixing_factor",

@@ -127,6 +127,33 @@ class EagerSteps:
         state.sent_weight = weight
         self.channels[key][0].take(state.own(self.agreed[key]), 0.0)
 
+    # -- checkpointing -------------------------------------------------------------------------
+    def per_rank_state_dict(self) -> dict:
+        """The outer step's per-rank part and, per channel, the replica's own state."""
+        return {**super().per_rank_state_dict(), "eager": {key: s.state_dict() for key, s in self.eager.items()}}
+
+    def _load_per_rank(self, sd: Optional[dict], schedule: list) -> list[str]:
+        """The outer step's per-rank part, then each channel's own state where its shards
+        are the saved ones; elsewhere it starts without an eager part. A saved payload whose
+        exchange is not taken back in flight goes out with the next one (step 1)."""
+        notes = super()._load_per_rank(sd, schedule)
+        saved = (sd or {}).get("eager") or {}
+        self._fresh_eager()
+        for key, (views, *_rest) in self.channels.items():
+            if key not in saved or sd["shards"].get(key) != views.signature():
+                continue
+            try:
+                self.eager[key].load_state_dict(saved[key])
+            except ValueError as e:
+                notes.append(f"the eager outer state starts afresh ({e})")
+        if sd is not None and not saved:
+            notes.append("the eager outer state starts afresh (the checkpoint has none: saved without --diloco-eager)")
+        return notes
+
+    def _agree_on_loaded(self) -> None:
+        super()._agree_on_loaded()
+        self._fresh_eager()
+
 
 class EagerOuterStep(EagerSteps, OuterStep):
     """:class:`~.outer.OuterStep` with eager updates (the module docstring) in one world;
@@ -197,30 +224,3 @@ class EagerOuterStep(EagerSteps, OuterStep):
             self.final[key] = agreed
         self.pending = resumable
         return {"exchanged": sorted(exchanged), "in_flight": len(resumable)}
-
-    # -- checkpointing -------------------------------------------------------------------------
-    def per_rank_state_dict(self) -> dict:
-        """:meth:`OuterStep.per_rank_state_dict` and, per channel, the replica's own state."""
-        return {**super().per_rank_state_dict(), "eager": {key: s.state_dict() for key, s in self.eager.items()}}
-
-    def _load_per_rank(self, sd: Optional[dict], schedule: list) -> list[str]:
-        """:meth:`OuterStep._load_per_rank`, then each channel's own state where its shards
-        are the saved ones; elsewhere it starts without an eager part. A saved payload whose
-        exchange is not taken back in flight goes out with the next one (step 1)."""
-        notes = super()._load_per_rank(sd, schedule)
-        saved = (sd or {}).get("eager") or {}
-        self._fresh_eager()
-        for key, (views, *_rest) in self.channels.items():
-            if key not in saved or sd["shards"].get(key) != views.signature():
-                continue
-            try:
-                self.eager[key].load_state_dict(saved[key])
-            except ValueError as e:
-                notes.append(f"the eager outer state starts afresh ({e})")
-        if sd is not None and not saved:
-            notes.append("the eager outer state starts afresh (the checkpoint has none: saved without --diloco-eager)")
-        return notes
-
-    def _agree_on_loaded(self) -> None:
-        super()._agree_on_loaded()
-        self._fresh_eager()
