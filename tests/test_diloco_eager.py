@@ -372,8 +372,9 @@ def _lines(stdout: str, kind: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("naive", [False, True], ids=["eager", "naive"])
-def test_eager_training_keeps_the_agreed_parameters_agreed(naive, cache_dir, tmp_path):
+@pytest.mark.parametrize("naive, extra", [(False, []), (True, []), (False, ["--optimizer", "muon"])],
+                         ids=["eager", "naive", "muloco"])
+def test_eager_training_keeps_the_agreed_parameters_agreed(naive, extra, cache_dir, tmp_path):
     """Guards against eager training whose agreed parameters drift apart across replicas (a
     rank applying its own eager gradient to them, or a mean some rank applied at another
     sync), a replica that does not train on from its own outer parameters after a sync, and
@@ -383,12 +384,13 @@ def test_eager_training_keeps_the_agreed_parameters_agreed(naive, cache_dir, tmp
     4-bit), bf16, H 2, 6 steps: at each sync the agreed parameters are bit-identical across
     the replicas and the main parameters are the replica's own; right after the syncs at 2,
     4 and 6 the replicas' models differ (eager) or are identical (naive), in between they
-    differ; inside a replica the weights are always identical."""
+    differ; inside a replica the weights are always identical. MuLoCo (--optimizer muon:
+    one channel per sub-optimizer, Muon's and AdamW's) alike."""
     from conftest import TINY, torchrun
 
     args = TINY + ["--train-iters", "6", "--loco-bits", "4", "--bf16", "--diloco-replicas", "2",
                    "--diloco-inner-steps", "2", "--diloco-outer-bits", "4", "--diloco-eager",
-                   *(["--diloco-eager-naive"] if naive else [])]
+                   *(["--diloco-eager-naive"] if naive else []), *extra]
     proc, _ = torchrun(4, args, cache_dir, tmp_path, script="tests/diloco_check.py")
     agreed, model, inner = (_lines(proc.stdout, k) for k in ("AGREED", "MODEL", "INNER"))
     assert ("eager updates (each exchange runs through the next interval)" if not naive else
@@ -403,6 +405,8 @@ def test_eager_training_keeps_the_agreed_parameters_agreed(naive, cache_dir, tmp
                 assert model[(rank, it)] == [{"identical": str(naive)}], (rank, it)
             elif it > 1:  # (step 1 runs at lr 0: the warmup's first step changes nothing)
                 assert model[(rank, it)] == [{"identical": "False"}], (rank, it)
+    if extra:  # (sub-optimizer 0 is Muon, 1 megatron's AdamW)
+        assert {"opt0", "opt1"} <= {c["key"].split(".")[0] for cs in agreed.values() for c in cs}
 
 
 EAGER = ["--diloco-replicas", "2", "--diloco-inner-steps", "4", "--diloco-fragments", "2", "--diloco-eager",
