@@ -571,3 +571,24 @@ def test_eager_resume_that_cannot_take_the_saved_mean_carries_it(tmp_path):
             assert (line in log[0]) if line else not log, log
     finally:
         dist.destroy_process_group()
+
+
+def test_dry_run_projects_the_exchange_against_the_interval():
+    """Guards against a dry run that cannot say what the link needs (the exchange's time
+    against the interval's compute, and whether eager updates hide it), and a bad link
+    speed accepted: --diloco-link-gbps 1 prints one projection line naming the fraction;
+    0 is one line naming the flag, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    base = [sys.executable, "pretrain_gpt.py", "--dry-run", "--world-size", "4", "--diloco-replicas", "2"]
+    proc = subprocess.run(base + ["--diloco-eager", "--diloco-link-gbps", "0.001"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DiLoCo link: "))
+    assert "at 0.001 Gbit/s" in line and "x the " in line and "eager updates hide" in line, line
+    bad = subprocess.run(base + ["--diloco-link-gbps", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --diloco-link-gbps: 0.0 is not > 0"], bad.stderr

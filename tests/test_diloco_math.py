@@ -182,3 +182,33 @@ def test_outer_memory_formula():
     assert outer_memory_bytes(Config(), 1000) == 0
     eager = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4, diloco_eager=True))
     assert outer_memory_bytes(eager, 1000) == pytest.approx((per + 3 + 4 + 4 + 4) * 1000)
+
+
+def test_link_projection_formula():
+    """Guards against a projection of the link's load that counts one half of the exchange,
+    forgets the block scales or the (R - 1) / R of a ring, or depends on the model size
+    (it must cancel out with 6 FLOPs per parameter and token): the bits per parameter of
+    each form, and the exchange fraction of 64 H100s at 40% MFU, 1M tokens per step, H 32,
+    4-bit outer over 1 Gbit/s computed from first principles, the same for a 1B and a 70B
+    model; and the table benchmarks/link_needs.py prints for the docs."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from loco_megatron.diloco.link import exchange_fraction, wire_bits_per_param
+    from loco_megatron.training.flops import PEAK_BF16_TFLOPS
+
+    assert wire_bits_per_param(0, 2, 256) == 32.0
+    assert wire_bits_per_param(0, 3, 256) == pytest.approx(2 * 2 / 3 * 32)
+    assert wire_bits_per_param(4, 2, 256) == 4 + 32 / 256
+    site = 64 * PEAK_BF16_TFLOPS["H100"] * 1e12 * 0.4
+    seconds_wire = 1e9 * (4 + 32 / 256) / 1e9  # a 1B model over 1 Gbit/s
+    seconds_compute = 32 * 2**20 * 6e9 / site
+    for n in (1e9, 70e9):
+        got = exchange_fraction(n, wire_bits_per_param(4, 2, 256), 1.0, 32, 2**20, 6 * n, site)
+        assert got == pytest.approx(seconds_wire / seconds_compute, rel=1e-12), n
+    out = subprocess.run([sys.executable, "benchmarks/link_needs.py"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| 64 GPUs, 1M | 32 | LoCo 4-bit |"))
+    assert row.split(" | ")[4] == f"{seconds_wire / seconds_compute:.2f}", row

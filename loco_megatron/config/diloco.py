@@ -76,6 +76,10 @@ class DiLoCoConfig:
     """With --diloco-eager: the naive one-interval delay instead (the paper's control): the
     replicas step with the delayed mean alone, their fresh outer gradient never applied
     ahead of it."""
+    diloco_link_gbps: Optional[float] = None
+    """--dry-run: the link between replicas in Gbit/s; the dry run then says how long one
+    outer exchange takes on it against the compute of an outer interval (at 40% MFU on
+    H100s: docs/diloco.md, "What your link needs")."""
     diloco_mixing_factor: Optional[float] = None
     """alpha: at apply time, local <- alpha * local + (1 - alpha) * new agreed parameters
     (the tau steps taken meanwhile keep weight alpha). Default: 0.5 with
@@ -151,6 +155,8 @@ class DiLoCoConfig:
                     f"{self.diloco_batch_split} needs --diloco-lighthouse (the replicas of one job are equal)")
         require(not self.diloco_eager or not self.diloco_sync_delay, "diloco_eager",
                 f"overlaps the whole outer interval; --diloco-sync-delay {self.diloco_sync_delay} must be 0 with it")
+        require(self.diloco_link_gbps is None or self.diloco_link_gbps > 0, "diloco_link_gbps",
+                f"{self.diloco_link_gbps} is not > 0")
         require(not self.diloco_eager_naive or self.diloco_eager, "diloco_eager_naive",
                 "needs --diloco-eager (it is the eager exchange's naive control)")
         require(not (self.diloco_eager and self.elastic) or self.diloco_fragments == 1, "diloco_eager",

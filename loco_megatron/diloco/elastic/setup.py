@@ -63,7 +63,7 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
     # shape, per fragment), the outer settings (the batch split's mode among them), the
     # global batch and the seed (the first replica's initial weights are everyone's).
     local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s",
-             "diloco_replica_weight")
+             "diloco_replica_weight", "diloco_link_gbps")
     # (not the layout: TP, PP, DP and the micro batch are each replica's own); each under
     # the name a refusal gives it when it differs
     named = [*((f"--{k.replace('_', '-')}", v) for k, v in dataclasses.asdict(d).items()
