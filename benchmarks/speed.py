@@ -90,11 +90,13 @@ VARIANTS.update({
     # (the form measured in docs/benchmarks.md section 11, given explicitly: not the 2-bit default)
     "dl2": ("DiLoCo H=32, LoCo 2-bit outer", [*_DILOCO, "--diloco-outer-bits", "2", "--diloco-outer-beta", "0.8",
                                               "--no-diloco-outer-gain-correction"]),
+    # Eager updates: the exchange runs through the next interval (docs/diloco.md, "Eager updates").
+    "dle4": ("Eager DiLoCo H=32, LoCo 4-bit outer", [*_DILOCO, "--diloco-outer-bits", "4", "--diloco-eager"]),
     # The same replicas with no outer exchange in the run (H beyond its end): the step time
     # DiLoCo's exchanges are measured against.
     "dlnone": ("DiLoCo replicas, no outer exchange", [*_DILOCO[:-1], "1000000", "--diloco-outer-bits", "4"]),
 })
-DILOCO = ("dl0", "dl4", "dls4", "dl2", "dlnone")
+DILOCO = ("dl0", "dl4", "dls4", "dl2", "dle4", "dlnone")
 FSDP_PAIR = ("fsdp", "fsdp4")
 
 # About 15M parameters: big enough that full-precision gradient sync dominates a step

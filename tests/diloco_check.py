@@ -11,7 +11,10 @@ across its *outer group* (the ranks holding the same shard in the other replicas
 * ``INNER rank=R iter=I identical=B``: the model's parameters across the replica's own
   data-parallel ranks (megatron's intra-instance group): always equal;
 * ``TIED rank=R iter=I identical=B`` (pipeline parallelism with tied embeddings): the first
-  stage's word embedding and the last stage's output layer, its copy: always equal.
+  stage's word embedding and the last stage's output layer, its copy: always equal;
+* ``AGREED rank=R iter=I key=K identical=B own=B`` (--diloco-eager, after each sync of
+  K's fragment): the agreed parameters across the outer group, and whether the fp32 main
+  parameters are this replica's own outer parameters (what it trains on from there).
 """
 
 import os
@@ -47,8 +50,13 @@ def checked_outer_step(config, chunks, optimizer, stats, log):
     def checked(t: int) -> None:
         after_step(t)
         applied = outer.schedule.applies(t)
+        eager = getattr(outer, "eager", None)
         for key, (views, _, _, f) in outer.channels.items():
-            if f in applied:
+            if eager is not None and f in outer.schedule.starts(t):
+                same = identical_across([outer.agreed[key]], group)
+                own = all(torch.equal(v, part) for v, part in views._pairs(eager[key].own(outer.agreed[key])))
+                _say(f"AGREED rank={rank} iter={t} key={key} identical={same} own={own}")
+            elif f in applied:
                 same = identical_across([torch.cat(views.views)], group)
                 _say(f"OUTER rank={rank} iter={t} key={key} identical={same}")
         params = [p for c in chunks for p in c.parameters()]

@@ -4,9 +4,9 @@ Each rank appends one JSON line per outer cycle to ``$LOCO_TEST_DUMP_DIR/replica
 (after the join, after every sync point's cycle, after the run's final step):
 ``{"at", "iteration", "outer_steps", "agreed", "momentum", "steps", "live"}`` with
 ``agreed``/``momentum`` SHA-256 digests of this rank's shards (rank k holds the same shards
-in every replica) and ``steps`` the ``[consumed samples, share offset, share samples, data
-rank, data ranks]`` each training step since the last line started from (the sample stream
-it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
+in every replica; after the final step also ``final``, of the model every replica ends
+on) and ``steps`` the ``[consumed samples, share offset, share samples, data rank, data
+ranks]`` each training step since the last line started from (the sample stream it read). ``LOCO_TEST_DIE_IN_EXCHANGE=T``: the
 rank SIGKILLs itself right after launching its first outer exchange at iteration ``T``
 (mid-exchange: its peers are waiting on it). ``LOCO_TEST_FAULTS=PHASE@T=MODE,...``: the
 collective of ``PHASE`` ("fingerprint", "agreement", "outer"; "heal": taking a healed state)
@@ -82,6 +82,8 @@ def checked_outer_step(config, chunks, optimizer, stats, log, coordinator=None):
                   "live": outer.coordinator.live}
         if lays:
             record["errors"] = any(bool(e.any()) for e in errors().values())
+        if at == "final":
+            record["final"] = _digest(outer.final) if outer.final is not None else None
         STEPS.clear()
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")

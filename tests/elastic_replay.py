@@ -17,11 +17,14 @@ point, then that cycle), ``stall`` (one step, which closes a delayed exchange, t
 this round: it misses the round's quorum and is behind at its next one), ``die`` (one step,
 then its state is gone), ``dead``, ``restart:fresh`` or ``restart:K`` (a new job, from its
 own checkpoint of round K, that joins in this round's quorum); flags ``+save`` (a checkpoint
-right after the sync point's cycle: under a delay, with the exchange in flight) and
+right after the sync point's cycle: under a delay or eager updates, with the exchange in
+flight) and
 ``+lose`` (this replica's outer exchange in the round's cycle is lost: the cycle is
 discarded everywhere). Every rank reports, after each round it acted in, what it holds:
 its iteration, outer steps, split, share, the share its data iterator reads, the replicas
-of its last cycle and (lane host) the hash of its outer state.
+of its last cycle and (lane host) the hash of its outer state; under eager updates (script
+key ``eager``) also the means of what it sent last, of its eager part and of its
+parameters ahead of the agreed ones.
 """
 
 from __future__ import annotations
@@ -109,7 +112,10 @@ class ScriptManager:
     script makes ask in that round (``members``); steps and the heal go through the store."""
 
     def __init__(self, store, replica: int, pg: StoreGroup, load_state_dict, state_dict, timeout: float):
-        self.store, self.replica, self.pg, self.timeout = store, replica, pg, timeout
+        # (the round's members and the heal are waited for at least a minute: a short exchange
+        # timeout, which a script may set to discard cycles quickly, must not fail a quorum
+        # whose members are still training towards it)
+        self.store, self.replica, self.pg, self.timeout = store, replica, pg, max(timeout, 60.0)
         self._load, self._state = load_state_dict, state_dict
         self.step = 0
         self.where = ("", [])  # (history/round key, members of the round's quorum)
@@ -197,7 +203,7 @@ class Replica:
         replicas, mode = script["replicas"], script["mode"]
         coordinator = _coordinator_class()("", replica, replicas, rank, 0 if rank == 0 else None, 1, ("", 0),
                                            control, torch.device("cpu"), float(script.get("quorum_timeout", 60)),
-                                           60.0, logs.append)
+                                           float(script.get("exchange_timeout", 60)), logs.append)
         coordinator.script_store, coordinator.script_round = store, ("", [])
         self.coordinator = coordinator
         torch.manual_seed(1234)  # (every replica starts from the same weights)
@@ -217,11 +223,17 @@ class Replica:
         channels = {"fragment0": (ShardViews([self.param]), relay("fragment0", None), 0, 0)}
         initial = fixed_share(replica, replicas, GBS) if mode == "fixed" else None
         split = SplitSettings(mode, GBS, 2, float(script["weights"][str(replica)]), initial, self._slowest)
-        self.outer = type("ReplayStep", (ElasticOuterStep,), {"recheck_s": 0.05, "retry_s": 0.05})(
-            channels, FragmentSchedule(script["H"], 1, script["tau"]), 0.7, 0.9, 0.5 if script["tau"] else 0.0,
-            lambda update: update(0), lambda work: None, lambda: None, logs.append,
+        eager = bool(script.get("eager"))
+        kind, extra = ElasticOuterStep, {}
+        if eager:  # (--diloco-eager: the exchange of a sync's cycle closes at the next sync)
+            from loco_megatron.diloco.elastic.eager import ElasticEagerStep
+
+            kind, extra = ElasticEagerStep, {"naive": bool(script.get("naive"))}
+        self.outer = type("ReplayStep", (kind,), {"recheck_s": 0.05, "retry_s": 0.05})(
+            channels, FragmentSchedule(script["H"], 1, script["tau"], eager), 0.7, 0.9,
+            0.5 if script["tau"] else 0.0, lambda update: update(0), lambda work: None, lambda: None, logs.append,
             coordinator=coordinator, replica=replica, config_hash=7, relay=relay, split=split,
-            rules=Rules(replicas, 1, 2))
+            rules=Rules(replicas, 1, 2), **extra)
         if initial is not None:
             self._set_share(initial.offset, initial.samples)
         self.heals = 0  # heals taken since this job started
@@ -281,10 +293,12 @@ class Replica:
         import copy
 
         self.outer.settle()
-        return {"outer": copy.deepcopy(self.outer.state_dict()), "iteration": self.iteration}
+        return {"outer": copy.deepcopy(self.outer.state_dict()), "iteration": self.iteration,
+                "param": self.param.clone()}
 
     def load(self, saved: dict) -> None:
         self.iteration = saved["iteration"]  # (the data iterator keeps its position, not its share)
+        self.param.copy_(saved["param"])  # (the model: the replica's own training since its last commit)
         self.outer.load_state_dict(saved["outer"])
 
     def report(self, k: int) -> dict:
@@ -298,7 +312,18 @@ class Replica:
                 "live": list(self.coordinator.live), "laid": self.laid, "heals": self.heals,
                 "rows": getattr(self.outer.channels["fragment0"][1], "world", None),
                 "state": state_hash(self.outer.agreed, self.outer.momentum, self.outer.outer_steps)
-                if self.rank == 0 else None}
+                if self.rank == 0 else None, **self._eager_report()}
+
+    def _eager_report(self) -> dict:
+        """Under eager updates (lane host): the mean of what it sent last, of its eager part,
+        and of its parameters minus the agreed ones."""
+        eager = getattr(self.outer, "eager", None)
+        if eager is None or self.rank != 0:
+            return {}
+        state = eager["fragment0"]
+        agreed = self.outer.agreed["fragment0"]
+        return {"sent": float(state.sent.mean()), "offset": float(state.offset.mean()),
+                "ahead": float((self.param - agreed).mean())}
 
 
 def members_of(actions: dict) -> list[int]:

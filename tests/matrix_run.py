@@ -214,7 +214,9 @@ def run(argv: list, tag: str, wire: Wire, ops: tuple) -> int:
                               ps.get_tensor_model_parallel_group())
         outer = "-"
         schedule = FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay)
-        if replica and not d.diloco_sync_delay and len(schedule.starts(iteration)) == d.diloco_fragments:
+        # (eager updates: right after a sync the replicas differ by their eager parts)
+        if (replica and not d.diloco_sync_delay and not d.diloco_eager
+                and len(schedule.starts(iteration)) == d.diloco_fragments):
             group = ps.get_inter_distributed_optimizer_instance_group()
             outer = identical_across(_exact_main(hooks["optimizer"], hooks["param"]), group) and (
                 bool(config.loco.param_gather_bits) or identical_across(params, group))

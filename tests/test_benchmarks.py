@@ -447,7 +447,7 @@ def test_report_diloco_targets_come_from_the_tables(tmp_path, monkeypatch):
 def test_diloco_study_variants_are_well_formed():
     """Guards against the DiLoCo rows of the studies running something else than their
     labels say: each speed row gives the replica count per node and H=32 (the no-exchange
-    row an H beyond any run), each quality row its H, outer width, error feedback form
+    row an H beyond any run; the eager row eager updates), each quality row its H, outer width, error feedback form
     (beta 0.8, classic beta 0, none) and gain correction."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import quality
@@ -459,6 +459,7 @@ def test_diloco_study_variants_are_well_formed():
         h = int(flags[flags.index("--diloco-inner-steps") + 1])
         assert h == (1000000 if key == "dlnone" else 32)
     assert "--diloco-fragments" in speed.VARIANTS["dls4"][1] and "--diloco-sync-delay" in speed.VARIANTS["dls4"][1]
+    assert "--diloco-eager" in speed.VARIANTS["dle4"][1] and "--diloco-eager" not in speed.VARIANTS["dl4"][1]
     for key in quality.SECTIONS["diloco"][1:]:
         flags = quality.VARIANTS[key][1]
         bits, h = key[2], key.split("-h")[1]

@@ -80,6 +80,24 @@ def test_schedule_streaming_staggers_one_fragment_at_a_time():
         assert [t for t in range(1, 257) if f in s.applies(t)] == [t + 8 for t in starts[f] if t + 8 <= 256]
 
 
+def test_schedule_eager_applies_at_the_next_sync():
+    """Guards against an eager exchange applied where it starts (a blocking wait: nothing
+    overlapped), more than one interval late, or a second phase that waits for the first at
+    the very next step (half the interval is what phase 1 has to cross the link): H 8, F 2:
+    fragment 0 syncs at 4, 12, 20, its exchange of 4 is applied at 12 (where 12's starts),
+    the second phase runs 4 steps after each start, and a checkpoint at any step after a
+    fragment's first sync carries that fragment's latest exchange."""
+    s = FragmentSchedule(8, 2, 0, True)
+    assert [t for t in range(1, 25) if 0 in s.starts(t)] == [4, 12, 20]
+    assert [t for t in range(1, 25) if 0 in s.applies(t)] == [12, 20]
+    assert [t for t in range(1, 25) if 0 in s.second_phase(t)] == [8, 16, 24]
+    assert all(s.updates(t) == s.starts(t) for t in range(25))  # every sync steps (the first with no mean yet)
+    assert s.in_flight(3) == [] and s.in_flight(4) == [(0, 4)] and s.in_flight(9) == [(0, 4), (1, 8)]
+    assert s.in_flight(12) == [(1, 8), (0, 12)]
+    assert FragmentSchedule(*s.as_list()) == s and FragmentSchedule(8, 2).as_list() == [8, 2, 0]
+    assert not FragmentSchedule(1, 1, 0, True).split_phases  # H 1: both phases at the next sync
+
+
 def test_fragment_of():
     """Guards against layers assigned out of order, the embedding or head in the wrong
     fragment, or a tied output layer (another pipeline stage's copy of the embedding)
@@ -183,8 +201,41 @@ def test_diloco_refuses_what_it_cannot_run():
 def test_outer_memory_formula():
     """Guards against a dry-run memory estimate that leaves out the outer state or counts
     it without the optimizer's sharding: 4 B agreed + 4 B momentum + 4/F B in flight + the
-    two int8 error buffers per element of the rank's shard; nothing without DiLoCo."""
+    two int8 error buffers per element of the rank's shard; nothing without DiLoCo; eager
+    updates: every fragment in flight and the own parameters, momentum and sent gradient."""
     cfg = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4))
     per = 4 + 4 + 1 + (1 + 4 / 256) * 1.5
     assert outer_memory_bytes(cfg, 1000) == pytest.approx(per * 1000)
     assert outer_memory_bytes(Config(), 1000) == 0
+    eager = Config(diloco=DiLoCoConfig(diloco_replicas=2, diloco_fragments=4, diloco_eager=True))
+    assert outer_memory_bytes(eager, 1000) == pytest.approx((per + 3 + 4 + 4 + 4) * 1000)
+
+
+def test_link_projection_formula():
+    """Guards against a projection of the link's load that counts one half of the exchange,
+    forgets the block scales or the (R - 1) / R of a ring, or depends on the model size
+    (it must cancel out with 6 FLOPs per parameter and token): the bits per parameter of
+    each form, and the exchange fraction of 64 H100s at 40% MFU, 1M tokens per step, H 32,
+    4-bit outer over 1 Gbit/s computed from first principles, the same for a 1B and a 70B
+    model; and the table benchmarks/link_needs.py prints for the docs."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from loco_megatron.diloco.link import exchange_fraction, wire_bits_per_param
+    from loco_megatron.training.flops import PEAK_BF16_TFLOPS
+
+    assert wire_bits_per_param(0, 2, 256) == 32.0
+    assert wire_bits_per_param(0, 3, 256) == pytest.approx(2 * 2 / 3 * 32)
+    assert wire_bits_per_param(4, 2, 256) == 4 + 32 / 256
+    site = 64 * PEAK_BF16_TFLOPS["H100"] * 1e12 * 0.4
+    seconds_wire = 1e9 * (4 + 32 / 256) / 1e9  # a 1B model over 1 Gbit/s
+    seconds_compute = 32 * 2**20 * 6e9 / site
+    for n in (1e9, 70e9):
+        got = exchange_fraction(n, wire_bits_per_param(4, 2, 256), 1.0, 32, 2**20, 6 * n, site)
+        assert got == pytest.approx(seconds_wire / seconds_compute, rel=1e-12), n
+    out = subprocess.run([sys.executable, "benchmarks/link_needs.py"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| 64 GPUs, 1M | 32 | LoCo 4-bit |"))
+    assert row.split(" | ")[4] == f"{seconds_wire / seconds_compute:.2f}", row

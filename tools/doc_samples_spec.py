@@ -141,6 +141,10 @@ RUNS: dict[str, Run] = {
     "llama-header": Run("python pretrain_gpt.py --config configs/llama2_7b.yaml --dry-run"),
     # training.md: Muon
     "muon-dry": Run("python pretrain_gpt.py --dry-run --world-size 2 --optimizer muon --loco-bits 4"),
+    # diloco.md: what the link between replicas needs (projected, nothing measured)
+    "link-needs": Run("python benchmarks/link_needs.py"),
+    "link-dry": Run("python pretrain_gpt.py --config configs/llama2_7b.yaml --dry-run --world-size 128 "
+                    "--diloco-replicas 2 --diloco-eager --diloco-link-gbps 1"),
     "muon-refused": Run("python pretrain_gpt.py --optimizer muon --param-gather-bits 4", exit_code=2),
     "render-error": Run("SLURM_JOB_NODELIST=a,b SLURM_NNODES=2 SLURM_GPUS_ON_NODE=8 python tools/launch.py render \\\n"
                         "    --config configs/mixtral_8x7b.yaml --run-dir runs/x; echo rc=$?"),
@@ -317,6 +321,8 @@ SAMPLES: dict[str, Sample] = {
                                                     r"^  between replicas")),), "bash"),
     "diloco-sparse-dry": Sample((Part("diloco-sparse-dry", (r"^DiLoCo outer payload",)),), "bash"),
     "diloco-sites": Sample((Part("diloco-sites", ()),), "bash"),
+    "diloco-link-needs": Sample((Part("link-needs"),), "console"),
+    "diloco-link-dry": Sample((Part("link-dry", (r"^DiLoCo link:",)),), "console"),
     "diloco-left": Sample((Part("diloco-sites", (r"^DiLoCo: (replica 2 |\d replica)",), command=False,
                                 log="runs/site0.log"),), "output"),
     "diloco-unequal": Sample((Part("diloco-unequal", ()),), "bash"),

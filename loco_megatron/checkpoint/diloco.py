@@ -21,8 +21,11 @@ A checkpoint written with ``--diloco-replicas R`` holds
   in the same form. The Hugging Face export and generation read it (else
   ``diloco.agreed``); a resume reads the rest, which is the state before that final
   step, so it continues exactly as a run that never stopped;
-* per rank, under the layout tag (:data:`.torch_dist.PER_RANK`): the outer error buffers
-  and the settled means of the exchanges in flight.
+* per rank, under the layout tag (:data:`.torch_dist.PER_RANK`): the outer error buffers,
+  the settled means of the exchanges in flight and, under --diloco-eager, the replica's
+  eager part (its own outer parameters and momentum minus the agreed ones) and sent outer
+  gradient
+  (:class:`~loco_megatron.diloco.eager.EagerState`).
 
 At load, replica ``r`` of a run with ``R'`` replicas reads saved replica ``r mod R`` (a
 checkpoint written without DiLoCo counts as one replica, and so does a run without
@@ -188,5 +191,6 @@ def layout_note(layout_key: dict, saved_layout: dict, loaded: dict, outer) -> st
     momentum = " and outer momentum" if outer.mu and common.get("with_momentum") else ""
     return (f"; DiLoCo: {whose}, agreed parameters{momentum} resharded"
             + (", outer error buffers start at zero" if errors else "")
+            + (", each replica's own eager outer state starts afresh" if getattr(outer, "eager", None) else "")
             + (f", the exchange(s) of fragment(s) {sorted({f for f, _ in dropped})} in flight dropped"
                if dropped else ""))

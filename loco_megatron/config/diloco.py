@@ -84,6 +84,23 @@ class DiLoCoConfig:
     """tau: start a fragment's exchange at its sync step and apply it tau inner steps
     later, overlapped with those steps (Streaming DiLoCo's overlap); at most the gap
     between two fragments' sync steps."""
+    diloco_eager: bool = False
+    """Eager updates (Kale et al., arXiv 2502.12996): each outer exchange runs during the
+    next outer interval instead of stopping the replicas at the sync. At a fragment's sync
+    the mean of the exchange started one interval earlier is applied to the agreed
+    parameters, and each replica steps its own outer parameters with that mean, in which
+    its fresh outer gradient stands in for its share of the mean still on the wire
+    (docs/diloco.md, "Eager updates"). Applies to every fragment (elastic DiLoCo: one
+    fragment); --diloco-sync-delay must be 0 (the exchange overlaps the whole interval
+    already)."""
+    diloco_eager_naive: bool = False
+    """With --diloco-eager: the naive one-interval delay instead (the paper's control): the
+    replicas step with the delayed mean alone, their fresh outer gradient never applied
+    ahead of it."""
+    diloco_link_gbps: Optional[float] = None
+    """--dry-run: the link between replicas in Gbit/s; the dry run then says how long one
+    outer exchange takes on it against the compute of an outer interval (at 40% MFU on
+    H100s: docs/diloco.md, "What your link needs")."""
     diloco_mixing_factor: Optional[float] = None
     """alpha: at apply time, local <- alpha * local + (1 - alpha) * new agreed parameters
     (the tau steps taken meanwhile keep weight alpha). Default: 0.5 with
@@ -161,6 +178,20 @@ class DiLoCoConfig:
             require(self.diloco_outer_ranks is None, "diloco_outer_ranks", "needs --diloco-lighthouse (elastic DiLoCo)")
             require(self.diloco_batch_split == "fixed", "diloco_batch_split",
                     f"{self.diloco_batch_split} needs --diloco-lighthouse (the replicas of one job are equal)")
+        require(not self.diloco_eager or not self.diloco_sync_delay, "diloco_eager",
+                f"overlaps the whole outer interval; --diloco-sync-delay {self.diloco_sync_delay} must be 0 with it")
+        require(self.diloco_link_gbps is None or self.diloco_link_gbps > 0, "diloco_link_gbps",
+                f"{self.diloco_link_gbps} is not > 0")
+        # (the eager correction swaps this replica's share w of the late mean for its fresh
+        # one; SparseLoCo's mean is per entry over the replicas that sent it: no fixed share)
+        require(not (self.diloco_eager and self.diloco_outer_topk), "diloco_eager",
+                f"does not compose with --diloco-outer-topk {self.diloco_outer_topk} yet (the sparse mean has no "
+                "fixed share of each replica to swap); use a dense outer form with it")
+        require(not self.diloco_eager_naive or self.diloco_eager, "diloco_eager_naive",
+                "needs --diloco-eager (it is the eager exchange's naive control)")
+        require(not (self.diloco_eager and self.elastic) or self.diloco_fragments == 1, "diloco_eager",
+                f"with --diloco-lighthouse needs --diloco-fragments 1 (not {self.diloco_fragments}): an elastic "
+                "cycle closes before the next opens, and an eager one stays open for the whole interval")
         # With tau 0 the replicas take the agreed parameters at once: mixing their own back
         # in would keep them apart for good (they never agree again).
         require(not self.diloco_mixing_factor or self.diloco_sync_delay > 0, "diloco_mixing_factor",

@@ -83,6 +83,9 @@ def describe(config: Config, world_size: int) -> str:
                 + ("its senders" if d.diloco_outer_topk_mean == "chosen" else "every replica"))
     stream = (f", {d.diloco_fragments} fragments, delay {d.diloco_sync_delay} (alpha {d.diloco_mixing_factor})"
               if d.diloco_fragments > 1 or d.diloco_sync_delay else "")
+    if d.diloco_eager:
+        stream += (", the naive one-interval delay (eager control)" if d.diloco_eager_naive
+                   else ", eager updates (each exchange runs through the next interval)")
     grid = f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP {inner_dp}"
     step = (f"Nesterov lr {d.diloco_outer_lr} momentum {d.diloco_outer_momentum}" if d.diloco_outer_momentum
             or not d.sparse_outer else f"SGD lr {d.diloco_outer_lr}")

@@ -23,7 +23,7 @@ import torch
 
 from loco_megatron.diloco.exchange import OuterWork
 from loco_megatron.diloco.outer_math import mix_into, nesterov_step, outer_gradient
-from loco_megatron.diloco.schedule import FragmentSchedule
+from loco_megatron.diloco.schedule import FragmentSchedule, describe_schedule
 
 
 class ShardViews:
@@ -115,13 +115,14 @@ class OuterStep:
 
     def steps_at(self, t: int) -> bool:
         """Whether iteration ``t`` applies an outer step (the schedule alone decides)."""
-        return bool(self.schedule.applies(t) if self.schedule.delay else self.schedule.starts(t))
+        return bool(self.schedule.updates(t))
 
     def _second_phases(self, t: int) -> None:
         """After every step: the metrics' every-step reference, and the second phase of the
-        exchanges started one step earlier (``tau >= 2``)."""
+        exchanges started :attr:`~.schedule.FragmentSchedule.phase_gap` steps earlier
+        (``tau >= 2``, eager)."""
         self._every_step()
-        if self.schedule.delay >= 2:
+        if self.schedule.split_phases:
             for key in self._keys(self.schedule.second_phase(t)):
                 work = self.pending.get(key, (t, None))[1]
                 if isinstance(work, OuterWork):
@@ -190,7 +191,7 @@ class OuterStep:
         the scratch is one channel's three fp32 copies and its error buffers. Returns ``{"exchanged": fragments
         that took a final exchange, "in_flight": exchanges in flight applied}``."""
         sched = self.schedule
-        synced = set(sched.applies(t) if sched.delay else sched.starts(t)) if self.alpha == 0.0 else set()
+        synced = set(sched.updates(t)) if self.alpha == 0.0 else set()
         self.final = {}
         self.settle()
         resumable = dict(self.pending)  # the settled means a checkpoint of this step keeps
@@ -208,16 +209,23 @@ class OuterStep:
             views.outer_gradient(agreed, delta)  # agreed' - local
             if in_flight:  # local' = alpha local + (1 - alpha) agreed'  =>  agreed' - local' = alpha (agreed' - local)
                 delta.mul_(self.alpha)
-            # The exchange compensates with the error buffers and updates them; a resume
-            # must find them as they were (a run that never stopped has no such exchange).
-            errors = channel.state_dict()
-            self.pending[key] = (t, channel.start(delta))
-            nesterov_step(agreed, momentum, self._settled_mean(key), self.lr, self.mu)
-            channel.load_state_dict(errors)
+            self._final_step(key, t, agreed, momentum, delta)
             self.final[key] = agreed
             exchanged.add(f)
         self.pending = resumable
         return {"exchanged": sorted(exchanged), "in_flight": len(resumable)}
+
+    def _final_step(self, key: str, t: int, agreed: torch.Tensor, momentum: Optional[torch.Tensor],
+                    delta: torch.Tensor) -> None:
+        """The final exchange of ``delta`` (overwritten) over ``key``'s channel and its outer
+        step on ``agreed`` and ``momentum`` (copies); :attr:`pending` holds its mean after."""
+        channel = self.channels[key][1]
+        # The exchange compensates with the error buffers and updates them; a resume
+        # must find them as they were (a run that never stopped has no such exchange).
+        errors = channel.state_dict()
+        self.pending[key] = (t, channel.start(delta))
+        nesterov_step(agreed, momentum, self._settled_mean(key), self.lr, self.mu)
+        channel.load_state_dict(errors)
 
     def _settled_mean(self, key: str) -> torch.Tensor:
         """A new tensor: the mean of ``key``'s exchange in flight (finished here if it is
@@ -259,7 +267,7 @@ class OuterStep:
     # means of the exchanges in flight.
     def common_state(self) -> dict:
         """What every rank holds alike besides the agreed parameters and the momentum."""
-        return {"schedule": [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay],
+        return {"schedule": self.schedule.as_list(),
                 "outer_steps": self.outer_steps, "with_momentum": bool(self.mu)}
 
     def per_rank_state_dict(self) -> dict:
@@ -306,10 +314,10 @@ class OuterStep:
                     notes.append("the outer momentum starts at zero (saved without momentum)")
                 else:
                     self.momentum[key].copy_(sd["momentum"][key])
-        saved, now = list(sd["schedule"]), [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]
+        saved, now = list(sd["schedule"]), self.schedule.as_list()
         if saved != now:
-            notes.append("the outer schedule changes from H {}, F {}, tau {} (checkpoint) to H {}, F {}, tau {}: "
-                         "each fragment's next outer step follows the new one".format(*saved, *now))
+            notes.append(f"the outer schedule changes from {describe_schedule(saved)} (checkpoint) to "
+                         f"{describe_schedule(now)}: each fragment's next outer step follows the new one")
         notes += self._load_per_rank(sd["per_rank"], saved)
         if notes:  # one line, whatever starts afresh
             self._log(f"DiLoCo: {'; '.join(dict.fromkeys(notes))}")
@@ -334,8 +342,7 @@ class OuterStep:
             except ValueError as e:
                 channel.reset()
                 notes.append(f"the outer error buffers start at zero ({e})")
-        now = [self.schedule.inner_steps, self.schedule.fragments, self.schedule.delay]
-        if schedule != now and sd["pending"]:
+        if schedule != self.schedule.as_list() and sd["pending"]:
             notes.append(f"the {len(sd['pending'])} outer exchange(s) in flight are dropped")
         elif set(sd["pending"]) - fits:
             notes.append("the outer exchanges in flight are dropped (this rank's shards of the model changed)")

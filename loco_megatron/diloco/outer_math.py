@@ -39,3 +39,22 @@ def mix_into(local: torch.Tensor, agreed: torch.Tensor, alpha: float) -> None:
         local.copy_(agreed)
     else:
         local.mul_(alpha).add_(agreed, alpha=1.0 - alpha)
+
+
+def eager_correction(out: torch.Tensor, sent: torch.Tensor, sent_weight: float, payload: torch.Tensor,
+                     weight: float) -> None:
+    """Eager updates (Kale et al., arXiv 2502.12996): what a replica adds to the mean of the
+    exchange that just arrived to step its own outer parameters, before the mean of its
+    latest outer gradient has arrived::
+
+        out = weight * payload - sent_weight * sent
+
+    ``payload``: what it sends now (its fresh outer gradient, plus ``sent`` again when no
+    exchange of ``sent`` arrived), whose own share (``weight`` = its weight in the mean, 1/R
+    for R equal replicas) stands in for the mean still on the wire; ``sent``: what it sent
+    last, whose share it applied ahead (with ``sent_weight``) and now takes back out, as the
+    mean that arrived holds it (or, when none did, goes out again in ``payload``). With the
+    mean ``g`` arrived, ``g + out`` is the paper's eager outer gradient
+    ``g_{k-1} + (d_k - d_{k-1}) / R``; ``weight`` 0 is the naive one-interval delay."""
+    torch.mul(payload, weight, out=out)
+    out.sub_(sent, alpha=sent_weight)

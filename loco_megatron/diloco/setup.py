@@ -104,10 +104,14 @@ def build_outer_step(config: Config, chunks: list, optimizer, stats: CommStats, 
 
     # Without DiLoCo the replicas would all-reduce every step: bf16, half the fp32 ring's bytes.
     every_step = sum(ch.uncompressed_bytes() for _, ch, _, _ in channels.values()) // 2
-    args = (channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay),
+    args = (channels, FragmentSchedule(d.diloco_inner_steps, d.diloco_fragments, d.diloco_sync_delay, d.diloco_eager),
             d.diloco_outer_lr, d.diloco_outer_momentum, d.diloco_mixing_factor,
             lambda update: run_in_optimizer_step(optimizer, update), record,
             lambda: stats.add_outer_reference(every_step), log)
+    if coordinator is None and d.diloco_eager:
+        from loco_megatron.diloco.eager import EagerOuterStep
+
+        return EagerOuterStep(*args, naive=d.diloco_eager_naive)
     if coordinator is None:
         return OuterStep(*args)
     from loco_megatron.diloco.elastic.setup import elastic_outer_step

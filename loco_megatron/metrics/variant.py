@@ -23,7 +23,7 @@ def describe(config: dict) -> str:
 
 
 def _describe_diloco(config: dict) -> str:
-    """`` + DiLoCo 2x H32 outer LoCo 4-bit`` (F, tau, alpha and the ablations where set), or ""."""
+    """`` + DiLoCo 2x H32 outer LoCo 4-bit`` (F, tau, alpha, eager and the ablations where set), or ""."""
     replicas = config.get("diloco_replicas", 0)
     if not replicas:
         return ""
@@ -39,6 +39,8 @@ def _describe_diloco(config: dict) -> str:
     fragments, tau = config.get("diloco_fragments", 1), config.get("diloco_sync_delay", 0)
     if fragments > 1 or tau:
         label += f" F{fragments} tau{tau} alpha{config.get('diloco_mixing_factor')}"
+    if config.get("diloco_eager"):
+        label += " naive delay" if config.get("diloco_eager_naive") else " eager"
     return f"{label} outer {outer}"
 
 

@@ -125,6 +125,15 @@ def compresses_nothing(config: Config, dp: int, expert_dp: int) -> bool:
     return not any(compressed_groups(config, dp, expert_dp))
 
 
+def link_line(config: Config, world_size: int, est: dict, vocab: int) -> str:
+    """--diloco-link-gbps: the outer exchange against the interval
+    (:func:`~loco_megatron.diloco.link.describe_link`)."""
+    from loco_megatron.diloco.link import describe_link
+    from loco_megatron.training.flops import training_flops_per_token
+
+    return describe_link(config, world_size, est["params"], training_flops_per_token(config.model, vocab))
+
+
 def dry_run(config: Config, world_size: int, offline: bool = False, world_source: str = "") -> str:
     """The dry run's report (raises ConfigError, one line, for an impossible layout or an
     unreadable tokenizer; ``offline``: HF_HUB_OFFLINE, see :func:`dry_run_vocab`;
@@ -149,6 +158,8 @@ def dry_run(config: Config, world_size: int, offline: bool = False, world_source
         batch_line(config, dp),
         loco,
         *([describe(config, world_size), payload_line(config, est["outer_elements"])] if config.diloco.enabled
+          else []),
+        *([link_line(config, world_size, est, padded)] if config.diloco.enabled and config.diloco.diloco_link_gbps
           else []),
         optimizer_line(config, est),
         estimate_line(est),

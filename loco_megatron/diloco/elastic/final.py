@@ -86,11 +86,11 @@ class EndOfRun:
         results = {}
         self.coordinator.phase = "outer"
         for key in keys:
-            views, channel, _, _ = self.channels[key]
+            channel = self.channels[key][1]
             errors = channel.state_dict()
             delta = torch.zeros_like(self.agreed[key])
             if not zeros:
-                views.outer_gradient(self.agreed[key], delta)
+                self._final_delta(key, delta)
             if scale != 1.0:
                 delta.mul_(scale)
             channel.mean_over = max(cycle.contributors, 1)
@@ -114,6 +114,11 @@ class EndOfRun:
                       f"every replica ends on the agreed model of its last committed outer step")
             return []
         return self._fragments(list(results))
+
+    def _final_delta(self, key: str, out) -> None:
+        """``out`` <- what this replica trained that no committed outer step holds:
+        ``agreed - local`` (a collective over the replica where the views are lanes)."""
+        self.channels[key][0].outer_gradient(self.agreed[key], out)
 
     def take_final(self) -> None:
         """Every replica takes :attr:`final` (see :meth:`OuterStep.take_final`), scattered

@@ -13,8 +13,11 @@ replica's own. Hosts and non-hosts differ only in which tensors they hold, never
 fields they know.
 
 The record is taken only between cycles, when no exchange is in flight (a delayed exchange
-closes before the next cycle opens: ``tau <= H / F``), and a checkpoint never holds one
-(:meth:`~.replica.ReplicaStep.settle`): there is no pending exchange to carry.
+closes before the next cycle opens: ``tau <= H / F``; an eager one, of one fragment, at the
+next sync, before that sync's cycle opens), and a checkpoint never holds one
+(:meth:`~.replica.ReplicaStep.settle`): there is no pending exchange to carry. A replica
+healed under eager updates starts with no eager part and nothing sent (its own training
+is replaced), so no eager state travels either (:mod:`.eager`).
 
 Pure: builtins and tensors in, builtins out; no torch.distributed.
 """

@@ -64,7 +64,7 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
     # shape, per fragment), the outer settings (the batch split's mode among them), the
     # global batch and the seed (the first replica's initial weights are everyone's).
     local = ("diloco_replica_id", "diloco_lighthouse", "diloco_quorum_timeout_s", "diloco_exchange_timeout_s",
-             "diloco_replica_weight")
+             "diloco_replica_weight", "diloco_link_gbps")
     # (not the layout: TP, PP, DP and the micro batch are each replica's own); each under
     # the name a refusal gives it when it differs
     named = [*((f"--{k.replace('_', '-')}", v) for k, v in dataclasses.asdict(d).items()
@@ -88,7 +88,12 @@ def elastic_outer_step(config: Config, args: tuple, options, space: list, coordi
                           d.diloco_replica_weight,
                           fixed_share(d.diloco_replica_id, d.diloco_replicas, gbs) if d.diloco_batch_split == "fixed"
                           else None, slowest)
-    return ElasticOuterStep(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
-                            relay=lambda key, world: makers[key](world), split=split, settings=settings_parts(named),
-                            rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world, config.optimizer.optimizer,
-                                        config.train.train_iters))
+    kind, extra = ElasticOuterStep, {}
+    if d.diloco_eager:
+        from loco_megatron.diloco.elastic.eager import ElasticEagerStep
+
+        kind, extra = ElasticEagerStep, {"naive": d.diloco_eager_naive}
+    return kind(*args, coordinator=coordinator, replica=d.diloco_replica_id, config_hash=config_hash(shared),
+                relay=lambda key, world: makers[key](world), split=split, settings=settings_parts(named),
+                rules=Rules(d.diloco_replicas, d.diloco_min_replicas, world, config.optimizer.optimizer,
+                            config.train.train_iters), **extra)

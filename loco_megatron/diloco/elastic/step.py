@@ -199,8 +199,8 @@ class ElasticOuterStep(EndOfRun, ReplicaCheckpoint):
             channel.mean_over = max(cycle.contributors, 1)
             self._snapshots[key] = (channel, channel.state_dict())
             self._start(key, cycle.iteration, zeros=healed)
-        self._open = OpenCycle(cycle, keys, cycle.iteration + self.schedule.delay)
-        if self.schedule.delay:
+        self._open = OpenCycle(cycle, keys, cycle.iteration + self.schedule.lag)
+        if self.schedule.lag:  # (closed where it applies: tau later, or at the next sync under eager updates)
             return cycle, False, None
         return cycle, self._close_outer(), None
 
