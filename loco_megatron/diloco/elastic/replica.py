@@ -213,11 +213,16 @@ class ReplicaStep(OuterStep):
         except ValueError as e:
             return f"the state healed from a live replica cannot be applied here ({e})"
         share = record.share_of(self.replica) if self.split.mode != "fixed" else None
-        if share is not None and (share.samples % self.split.granule or share.samples <= 0
-                                  or not 0 <= share.offset <= self.split.global_batch - share.samples):
+        if share is not None and not self._whole(share):
             return (f"the healed batch share ({share.offset}, {share.samples}) is not whole shares of "
                     f"{self.split.granule} samples in a global batch of {self.split.global_batch}")
         return ""
+
+    def _whole(self, share: Share) -> bool:
+        """Whether this layout can train ``share``: whole shares of its granule (micro batch
+        x data-parallel size), inside the global batch."""
+        return (share.samples > 0 and share.samples % self.split.granule == 0
+                and 0 <= share.offset <= self.split.global_batch - share.samples)
 
     def _heal(self, cycle: Cycle) -> None:
         """Take a live replica's record (a committed state of the run: taken at once): on lane

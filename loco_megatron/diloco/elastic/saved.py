@@ -100,7 +100,14 @@ class ReplicaCheckpoint(ReplicaStep):
         self.outer_steps = int(self.coordinator.decide(self.outer_steps))
         self.coordinator.load_state_dict(saved)
         if record is not None:
-            if record.shares and self.split.mode != "fixed":
+            mine = (record.shares or {}).get(self.replica)
+            if mine is not None and self.split.mode != "fixed" and not self._whole(mine):
+                # (a restart in another layout: the saved split was made for the old one's
+                # granule; no split is held, so the next cycle makes one for this layout)
+                self._log(f"DiLoCo: the checkpoint's batch split gives this replica {mine.samples} samples, not "
+                          f"whole shares of {self.split.granule} in this layout: dropped, the replicas split the "
+                          f"batch anew at the next outer step")
+            elif record.shares and self.split.mode != "fixed":
                 self._take_split(record.shares, record.split)
             self._laid_for = record.laid_for if fits else ()
             self._synced_at = dict(record.synced_at)
