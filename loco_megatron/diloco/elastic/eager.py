@@ -125,9 +125,9 @@ class ElasticEagerStep(EagerSteps, ElasticOuterStep):
         if self._joined_step:
             self._run_step(lambda sub: None)
 
-    def _restart_outer(self, outer_steps: int) -> None:
+    def _restart_outer(self, outer_steps: int, healed: bool = False) -> None:
         """A heal or an agreement: no eager part, nothing sent or to send."""
-        super()._restart_outer(outer_steps)
+        super()._restart_outer(outer_steps, healed)
         self._fresh_eager()
         self._outgoing, self._landed = {}, set()
 
