@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Tuned defaults: the default model's learning rates swept on one corpus and checked on another.
 
-Every run trains ``pretrain_gpt.py``'s default model (no config: 4 layers, hidden 128, global
-batch 16 on 2 ranks, fp32 gradient sync) for ``--iters`` steps, or for the ``moe`` group
+Every run trains ``pretrain_gpt.py``'s default model (``configs/tiny_gpt.yaml``, which it reads
+without ``--config``: 4 layers, hidden 128, global batch 16, warmup a tenth of the steps, cosine
+decay) on 2 ranks with fp32 gradient sync for ``--iters`` steps, or for the ``moe`` group
 ``configs/tiny_moe.yaml``. A *group* is one setting whose defaults the sweep tunes; a *cell* is
 one point of its grid, named by its knobs (``lr`` = ``--lr``, ``x`` =
 ``--muon-extra-scale-factor``, ``olr`` = ``--diloco-outer-lr``), every knob of the group given
@@ -127,21 +128,14 @@ def parse_grid(spec: str) -> tuple[str, list[str]]:
 
 
 def shipped(group: str, h: int) -> str:
-    """The cell the code's defaults give now (read from the config dataclasses and the MoE config)."""
-    from loco_megatron.config.diloco import DiLoCoConfig
-    from loco_megatron.config.optimizer import OptimizerConfig
+    """The cell the program's defaults give the group now: its flags without the knobs, resolved
+    as pretrain_gpt.py resolves them (the --config file, then the defaults)."""
+    from loco_megatron.cli import parse_config
 
-    optimizer = "muon" if "muon" in GROUPS[group].flags else "adam"
-    opt = OptimizerConfig(optimizer=optimizer)
-    values = {"lr": f"{opt.lr:g}", "x": f"{opt.muon_extra_scale_factor:g}"}
-    if group == "moe":
-        import yaml
-
-        values["lr"] = f"{float(yaml.safe_load((quality.REPO / 'configs' / 'tiny_moe.yaml').read_text())['lr']):g}"
-    if group.startswith("dl"):
-        outer = DiLoCoConfig(diloco_replicas=2, diloco_inner_steps=h)
-        values["olr"] = f"{outer.outer_lr_for(optimizer) if hasattr(outer, 'outer_lr_for') else outer.diloco_outer_lr:g}"
-    return cell_name({k: values[k] for k in GROUPS[group].knobs})
+    config = parse_config([f.format(h=h) for f in GROUPS[group].flags], note=lambda line: None)
+    values = {"lr": config.optimizer.lr, "x": config.optimizer.muon_extra_scale_factor,
+              "olr": config.diloco.diloco_outer_lr}
+    return cell_name({k: f"{values[k]:g}" for k in GROUPS[group].knobs})
 
 
 def load(out: pathlib.Path) -> dict[tuple[str, str, str], dict[int, float]]:
@@ -159,14 +153,19 @@ def load(out: pathlib.Path) -> dict[tuple[str, str, str], dict[int, float]]:
 
 
 def best_cell(finals: dict, folder: str, group: str) -> tuple[str, list[int]] | None:
-    """(the cell with the lowest mean over the seeds every cell of the group ran there, those seeds)."""
+    """(the best cell of the group there, the seeds it was chosen on). A grid runs in two stages: every
+    cell on the first seed, then the *finalists* (the cells the first seed put near the top, and the
+    previous default) on more; the best cell is the finalist with the lowest mean over the seeds every
+    finalist ran (with one stage: every cell is a finalist)."""
     cells = {c: s for (f, g, c), s in finals.items() if f == folder and g == group}
     if not cells:
         return None
-    seeds = sorted(set.intersection(*(set(s) for s in cells.values())))
+    most = max(len(s) for s in cells.values())
+    finalists = {c: s for c, s in cells.items() if len(s) == most}
+    seeds = sorted(set.intersection(*(set(s) for s in finalists.values())))
     if not seeds:
         return None
-    return min(cells, key=lambda c: (statistics.fmean(cells[c][s] for s in seeds), c)), seeds
+    return min(finalists, key=lambda c: (statistics.fmean(finalists[c][s] for s in seeds), c)), seeds
 
 
 def group_table(finals: dict, folder: str, group: str, h: int) -> list[str]:
@@ -186,7 +185,10 @@ def group_table(finals: dict, folder: str, group: str, h: int) -> list[str]:
         gap = "" if c == best else paired.fmt_gap(*paired.paired(runs, finals[folder, group, best]))
         tags = ", ".join(t for k, t in marks if k == c)
         lines.append(f"| {cell_label(c)} | {'**' + loss + '**' if c == best else loss} | {len(vals)} | {gap} | {tags} |")
-    return [f"Best cell on seeds {', '.join(map(str, seeds))} (the seeds every cell ran).", "", *lines, ""]
+    finalists = sum(len(finals[folder, group, c]) == len(seeds) for c in cells)
+    how = ("every cell ran them" if finalists == len(cells) else
+           f"the {finalists} finalists of the {len(cells)} cells ran them; the others ran the first seed only")
+    return [f"Best cell on seeds {', '.join(map(str, seeds))} ({how}).", "", *lines, ""]
 
 
 def verdict(finals: dict, group: str, h: int, tune_iters: int = 200) -> tuple[str, str, dict[str, tuple]]:

@@ -213,7 +213,7 @@ def test_sweep_smoke(tmp_path, cache_dir, monkeypatch, capsys):
 def test_sweep_changes_a_default_only_where_it_wins_on_both_corpora(monkeypatch):
     """Guards against the sweep choosing on the held-out corpus, or adopting a cell that wins on
     the tuning corpus alone or inside the spread of its paired gap on the other: the tuned cell is
-    the built-in corpus's best; it is adopted only when it beats the previous default beyond the
+    the built-in corpus's best finalist (a cell run on the first seed only is none); it is adopted only when it beats the previous default beyond the
     spread on both corpora at the tuning steps; the shipped default's gap is to each corpus's own
     best cell."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -221,7 +221,8 @@ def test_sweep_changes_a_default_only_where_it_wins_on_both_corpora(monkeypatch)
 
     builtin = {("builtin-200", "adamw", "lr0.001"): {1: 5.00, 2: 5.10},
                ("builtin-200", "adamw", "lr0.004"): {1: 4.90, 2: 5.00},
-               ("builtin-200", "adamw", "lr0.008"): {1: 4.95, 2: 5.05}}
+               ("builtin-200", "adamw", "lr0.008"): {1: 4.95, 2: 5.05},
+               ("builtin-200", "adamw", "lr0.002"): {1: 4.80}}  # no finalist (first seed only): not the tuned one
     clear = {("heldout-200", "adamw", "lr0.001"): {1: 5.00, 2: 5.10},
              ("heldout-200", "adamw", "lr0.004"): {1: 4.95, 2: 5.06},
              ("heldout-200", "adamw", "lr0.008"): {1: 4.90, 2: 5.00}}  # best here: must not be the tuned one
