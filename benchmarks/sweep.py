@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import pathlib
 import statistics
 import sys
@@ -168,6 +169,30 @@ def best_cell(finals: dict, folder: str, group: str) -> tuple[str, list[int]] | 
     return min(finalists, key=lambda c: (statistics.fmean(finalists[c][s] for s in seeds), c)), seeds
 
 
+def tuned_cell(finals: dict, folder: str, group: str, h: int) -> str | None:
+    """The tuned cell: of the finalists that tie the best one (their paired gap to it inside its
+    spread, :func:`paired.verdict`), the one nearest the previous default (the smallest sum of
+    |log ratio| over the knobs); the best cell itself where nothing ties it. The brief's rule
+    for a tie (keep the value nearest the current one) and the one-standard-error rule of model
+    selection: a move the seeds cannot tell from the best buys nothing for its risk."""
+    found = best_cell(finals, folder, group)
+    if found is None:
+        return None
+    best, seeds = found
+    previous = cell_values(GROUPS[group].previous(h))
+
+    def distance(cell: str) -> float:
+        return sum(abs(math.log(float(v) / float(previous[k]))) for k, v in cell_values(cell).items())
+
+    ties = [best]
+    for (f, g, c), runs in finals.items():
+        if f == folder and g == group and c != best and set(seeds) <= set(runs):
+            mean, sd, _ = paired.paired({s: runs[s] for s in seeds}, finals[folder, group, best])
+            if sd is not None and abs(mean) <= sd:
+                ties.append(c)
+    return min(ties, key=lambda c: (distance(c), c))
+
+
 def group_table(finals: dict, folder: str, group: str, h: int) -> list[str]:
     """One folder's grid of one group: every cell's final loss and its paired gap to the best cell."""
     found = best_cell(finals, folder, group)
@@ -176,14 +201,16 @@ def group_table(finals: dict, folder: str, group: str, h: int) -> list[str]:
     best, seeds = found
     cells = sorted((c for f, g, c in finals if f == folder and g == group),
                    key=lambda c: [float(v) for v in cell_values(c).values()])
-    marks = [(best, "best"), (GROUPS[group].previous(h), "previous default"), (shipped(group, h), "shipped default")]
+    marks = [(best, "best"), (tuned_cell(finals, folder, group, h), "nearest tie" if folder.startswith(TUNE_CORPUS)
+                                 else ""),
+             (GROUPS[group].previous(h), "previous default"), (shipped(group, h), "shipped default")]
     lines = ["| cell | final eval loss (mean ± sd) | seeds | vs the best cell, paired | |", "|---|---|---|---|---|"]
     for c in cells:
         runs = finals[folder, group, c]
         vals = list(runs.values())
         loss = f"{statistics.fmean(vals):.4f}" + (f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else "")
         gap = "" if c == best else paired.fmt_gap(*paired.paired(runs, finals[folder, group, best]))
-        tags = ", ".join(t for k, t in marks if k == c)
+        tags = ", ".join(t for k, t in marks if k == c and t and not (t == "nearest tie" and c == best))
         lines.append(f"| {cell_label(c)} | {'**' + loss + '**' if c == best else loss} | {len(vals)} | {gap} | {tags} |")
     finalists = sum(len(finals[folder, group, c]) == len(seeds) for c in cells)
     how = ("every cell ran them" if finalists == len(cells) else
@@ -195,10 +222,10 @@ def verdict(finals: dict, group: str, h: int, tune_iters: int = 200) -> tuple[st
     """(tuned cell, decision line, per folder: the tuned cell against the previous default as
     (mean, sd, n) or None). ``adopt`` only where the tuned cell wins beyond the spread on both corpora
     at the tuning steps."""
-    found = best_cell(finals, f"{TUNE_CORPUS}-{tune_iters}", group)
-    if found is None:
+    tuned = tuned_cell(finals, f"{TUNE_CORPUS}-{tune_iters}", group, h)
+    if tuned is None:
         return "", "", {}
-    tuned, previous = found[0], GROUPS[group].previous(h)
+    previous = GROUPS[group].previous(h)
     gaps = {}
     for folder in sorted({f for f, g, c in finals if g == group}):
         a, b = finals.get((folder, group, tuned)), finals.get((folder, group, previous))
@@ -234,7 +261,9 @@ def report(finals: dict, h: int, tune_iters: int = 200) -> list[str]:
             gap = gaps[folder]
             best = best_cell(finals, folder, group)
             ship_gap = ""
-            if best and (folder, group, ship) in finals:
+            if best and (folder, group, ship) in finals and not set(best[1]) <= set(finals[folder, group, ship]):
+                ship_gap = f"{cell_label(ship)}: not a finalist here (it ran fewer seeds)"
+            elif best and (folder, group, ship) in finals:
                 m, sd, n = (0.0, 0.0, len(best[1])) if ship == best[0] else paired.paired(
                     finals[folder, group, ship], finals[folder, group, best[0]])
                 ship_gap = (f"{cell_label(ship)}: " + ("the best cell" if ship == best[0] else
