@@ -17,8 +17,9 @@ explicitly so that a run never depends on the defaults it is tuning:
     moe        configs/tiny_moe.yaml (AdamW), data parallel             knobs lr
 
 ``--corpus builtin`` trains on the built-in corpus (the standard library's source), on which the
-sweep tunes: a group's *tuned* cell is its lowest mean final eval loss there at the README's 200
-steps, over the seeds every cell ran. ``--corpus heldout`` trains on the corpus of
+sweep tunes, at the README's 200 steps: every cell on a first seed, the *finalists* on more
+(:func:`best_cell`); a group's *tuned* cell is, of the finalists that tie the best one, the one
+nearest the previous default (:func:`tuned_cell`). ``--corpus heldout`` trains on the corpus of
 ``benchmarks/heldout_corpus.py`` (Debian's manuals, prose, its own tokenizer), which never
 chooses a setting: it checks. Runs of one seed share initial weights and data order, so every
 comparison is paired by seed (:mod:`paired`: mean ± sd of ``100 (a - b) / b``; a gap whose
@@ -313,7 +314,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="no runs: sweep.md from the finished runs in --out")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 steps, H=2, both corpora (without --heldout the built-in corpus's files stand "
-                         "in for the held-out one), two seeds, three cells: the plumbing")
+                         "in for the held-out one), two seeds, three cells (AdamW at the previous and the shipped "
+                         "--lr, one MuLoCo cell): the plumbing")
     args = ap.parse_args()
     model = ["--eval-interval", str(max(args.iters // 4, 1))]
     if args.smoke:
@@ -322,7 +324,8 @@ def main() -> None:
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                  "--eval-interval", "4", "--eval-iters", "1", "--log-interval", "2"]
-        args.grid = args.grid or ["adamw:lr=1e-3,2e-3", "dl-muon:lr=2e-3:x=0.2:olr=0.7"]
+        ship = cell_values(shipped("adamw", args.inner_steps))["lr"]  # (the previous default and the shipped one)
+        args.grid = args.grid or [f"adamw:lr=1e-3,{ship}", "dl-muon:lr=2e-3:x=0.2:olr=0.7"]
         if args.heldout is None:
             from loco_megatron.data.corpus import ensure_default_corpus
 

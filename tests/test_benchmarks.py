@@ -189,7 +189,12 @@ def test_sweep_smoke(tmp_path, cache_dir, monkeypatch, capsys):
     out = tmp_path / "sweep"
     _main_on_fork_server("sweep.py", ["--smoke", "--out", str(out), "--data-cache-path", cache_dir,
                                       "--heldout", str(heldout)], monkeypatch, capsys)
-    want = {"adamw-lr0.001": ("adam", 0.001, None, None), "adamw-lr0.002": ("adam", 0.002, None, None),
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report_sweep  # docs/benchmarks.md's section 13 reads sweep.md's headline into the page's targets
+    import sweep
+
+    ship = sweep.shipped("adamw", 2)
+    want = {"adamw-lr0.001": ("adam", 0.001, None, None), f"adamw-{ship}": ("adam", float(ship[2:]), None, None),
             "dl-muon-lr0.002-x0.2-olr0.7": ("muon", 0.002, 0.2, 0.7)}
     for corpus in ("builtin", "heldout"):
         for name, (optimizer, lr, factor, outer) in want.items():
@@ -205,9 +210,13 @@ def test_sweep_smoke(tmp_path, cache_dir, monkeypatch, capsys):
     md = (out / "sweep.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| AdamW, data parallel |")]
     assert len(rows) == 2 and "built-in corpus (tuning), 4" in rows[0] and "held-out corpus (check), 4" in rows[1], md
-    assert all("| lr 0.001 |" in r and "(n=2)" in r and "shipped default" not in r and "lr 0.001: " in r for r in rows)
-    assert re.search(r"- AdamW, data parallel: (adopt|keep) lr 0\.00[12]", md), md
+    label = sweep.cell_label(ship)
+    assert all("| lr 0.001 |" in r and "(n=2)" in r and f"| {label}: " in r and "%)" in r for r in rows), rows
+    assert re.search(rf"- AdamW, data parallel: (adopt|keep) lr (0\.001|{ship[2:]})", md), md
     assert "## MuLoCo (H=2, fp32 outer, 2 replicas): held-out corpus (check), 4 steps" in md
+    rows = report_sweep.headlines(tmp_path)  # (the MuLoCo cell is not the shipped default: no row)
+    assert len(rows) == 2 and all(r.startswith(report_sweep.HEADLINE) and r.endswith("| within 0.5% |") for r in rows), rows
+    assert report_sweep.section(tmp_path)[0] == report_sweep.HEADING
 
 
 def test_sweep_changes_a_default_only_where_it_wins_on_both_corpora(monkeypatch):
