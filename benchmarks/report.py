@@ -17,7 +17,8 @@ rewrites only that section of an existing page (``--sections checkpoint``: the
 checkpoint section, from ``RESULTS/checkpoint.txt``; ``--sections checkpoint_memory``:
 from ``RESULTS/checkpoint_memory.txt``; ``--sections gpu``: the GPU check, from
 ``RESULTS/gpu/``, the files ``OUT=RESULTS/gpu bash benchmarks/gpu_check.sh`` writes;
-``--sections muon``: Muon's section, from ``RESULTS/muon/`` and ``RESULTS/muon_scales/``).
+``--sections muon``: Muon's section, from ``RESULTS/muon/`` and ``RESULTS/muon_scales/``;
+``--sections sweep``: the tuned defaults, from ``RESULTS/sweep/sweep.md``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import figures  # noqa: E402
 import report_diloco  # noqa: E402
 import report_fast  # noqa: E402
 import report_muon  # noqa: E402
+import report_sweep  # noqa: E402
 
 
 def _machine() -> str:
@@ -494,10 +496,13 @@ PARTIAL = {"2bit": (TWO_BIT_HEADING, two_bit_section, "quality2bit/quality.md (q
            "diloco": (report_diloco.HEADING, report_diloco.section,
                       "speed_diloco/ or quality_diloco_r2/ (the commands in benchmarks/report_diloco.py)"),
            "muon": (report_muon.HEADING, report_muon.section,
-                    "muon/ or muon_scales/ (the commands in benchmarks/report_muon.py)")}
+                    "muon/ or muon_scales/ (the commands in benchmarks/report_muon.py)"),
+           "sweep": (report_sweep.HEADING, report_sweep.section,
+                     "sweep/sweep.md (the commands in benchmarks/report_sweep.py)")}
 """``--sections`` name -> (heading, section builder, what must exist in --results)."""
 HEADLINES = {"fast": (report_fast.HEADLINE, report_fast.headlines),
-             "muon": (report_muon.HEADLINE, report_muon.headlines)}
+             "muon": (report_muon.HEADLINE, report_muon.headlines),
+             "sweep": (report_sweep.HEADLINE, report_sweep.headlines)}
 """``--sections`` name -> (the prefix of its lines in the headline list, their builder)."""
 
 

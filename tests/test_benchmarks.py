@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -173,6 +174,105 @@ def test_muon_smoke(tmp_path, cache_dir, monkeypatch, capsys):
     assert rows[-1].endswith("| 1.250x; 8.0% |  |") and any("| within 0.5% |" in r for r in rows)
     assert report_muon.section(tmp_path)[0] == report_muon.HEADING
 
+
+
+def test_sweep_smoke(tmp_path, cache_dir, monkeypatch, capsys):
+    """Guards against the defaults sweep breaking or running something else than its cells say:
+    every run records (its metrics' config line) the cell's --lr, factor and outer LR, the
+    group's optimizer and H, and the corpus (the held-out runs its --data-path, the built-in ones
+    none); sweep.md pairs the tuned cell with the previous default on both corpora, decides, and
+    names the shipped default's gap to the best cell. (Its torchruns on the suite's fork
+    server: _main_on_fork_server.)"""
+    from loco_megatron.data.corpus import ensure_default_corpus
+
+    heldout = pathlib.Path(ensure_default_corpus(cache_dir, 4096)[0]).parent  # stands in for the held-out corpus
+    out = tmp_path / "sweep"
+    _main_on_fork_server("sweep.py", ["--smoke", "--out", str(out), "--data-cache-path", cache_dir,
+                                      "--heldout", str(heldout)], monkeypatch, capsys)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report_sweep  # docs/benchmarks.md's section 13 reads sweep.md's headline into the page's targets
+    import sweep
+
+    ship = sweep.shipped("adamw", 2)
+    want = {"adamw-lr0.001": ("adam", 0.001, None, None), f"adamw-{ship}": ("adam", float(ship[2:]), None, None),
+            "dl-muon-lr0.002-x0.2-olr0.7": ("muon", 0.002, 0.2, 0.7)}
+    for corpus in ("builtin", "heldout"):
+        for name, (optimizer, lr, factor, outer) in want.items():
+            for seed in (1234, 1235):
+                config = json.loads((out / f"{corpus}-4" / "runs" / f"{name}_seed{seed}.jsonl").open().readline())
+                config = config["config"]
+                assert (config["optimizer"], config["lr"], config["seed"]) == (optimizer, lr, seed), name
+                if factor is not None:
+                    assert config["muon_extra_scale_factor"] == factor
+                    assert (config["diloco_outer_lr"], config["diloco_inner_steps"], config["diloco_replicas"]) == \
+                        (outer, 2, 2)
+                assert config["data_path"] == (str(heldout / "corpus_text_document") if corpus == "heldout" else None)
+    md = (out / "sweep.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| AdamW, data parallel |")]
+    assert len(rows) == 2 and "built-in corpus (tuning), 4" in rows[0] and "held-out corpus (check), 4" in rows[1], md
+    label = sweep.cell_label(ship)
+    assert all("| lr 0.001 |" in r and "(n=2)" in r and f"| {label}: " in r and "%)" in r for r in rows), rows
+    assert re.search(rf"- AdamW, data parallel: (adopt|keep) lr (0\.001|{ship[2:]})", md), md
+    assert "## MuLoCo (H=2, fp32 outer, 2 replicas): held-out corpus (check), 4 steps" in md
+    rows = report_sweep.headlines(tmp_path)  # (the MuLoCo cell is not the shipped default: no row)
+    assert len(rows) == 2 and all(r.startswith(report_sweep.HEADLINE) and r.endswith("| within 0.5% |") for r in rows), rows
+    assert report_sweep.section(tmp_path)[0] == report_sweep.HEADING
+
+
+def test_sweep_changes_a_default_only_where_it_wins_on_both_corpora(monkeypatch):
+    """Guards against the sweep choosing on the held-out corpus, or adopting a cell that wins on
+    the tuning corpus alone or inside the spread of its paired gap on the other: the tuned cell is
+    the built-in corpus's best finalist (a cell run on the first seed only is none), or of the
+    finalists that tie it, the one nearest the previous default; it is adopted only when it beats the previous default beyond the
+    spread on both corpora at the tuning steps; the shipped default's gap is to each corpus's own
+    best cell."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sweep
+
+    builtin = {("builtin-200", "adamw", "lr0.001"): {1: 5.00, 2: 5.10},
+               ("builtin-200", "adamw", "lr0.004"): {1: 4.90, 2: 5.00},
+               ("builtin-200", "adamw", "lr0.008"): {1: 4.95, 2: 5.05},
+               ("builtin-200", "adamw", "lr0.002"): {1: 4.80}}  # no finalist (first seed only): not the tuned one
+    clear = {("heldout-200", "adamw", "lr0.001"): {1: 5.00, 2: 5.10},
+             ("heldout-200", "adamw", "lr0.004"): {1: 4.95, 2: 5.06},
+             ("heldout-200", "adamw", "lr0.008"): {1: 4.90, 2: 5.00}}  # best here: must not be the tuned one
+    tuned, decision, gaps = sweep.verdict({**builtin, **clear}, "adamw", 32)
+    assert tuned == "lr0.004" and decision.startswith("adopt lr 0.004"), decision
+    assert gaps["heldout-200"][0] == pytest.approx((-1.0 - 100 * 0.04 / 5.1) / 2)
+    tie = {**clear, ("heldout-200", "adamw", "lr0.004"): {1: 4.95, 2: 5.11}}  # -1.0% and +0.2%: inside the spread
+    tuned, decision, _ = sweep.verdict({**builtin, **tie}, "adamw", 32)
+    assert decision.startswith("keep lr 0.001") and "heldout: tie" in decision, decision
+    tuned, decision, _ = sweep.verdict(builtin, "adamw", 32)
+    assert decision.startswith("keep lr 0.001") and "heldout: not run" in decision, decision
+    # a finalist inside the spread of its gap to the best one: the tie nearest the previous default is tuned
+    near = {**builtin, ("builtin-200", "adamw", "lr0.003"): {1: 4.93, 2: 4.99}}  # +0.6% and -0.2% against lr0.004
+    assert sweep.tuned_cell(near, "builtin-200", "adamw", 32) == "lr0.003"
+    assert sweep.best_cell(near, "builtin-200", "adamw") == ("lr0.004", [1, 2])
+    monkeypatch.setattr(sweep, "shipped", lambda group, h: "lr0.004")
+    rows = [line for line in sweep.report({**builtin, **clear}, 32) if line.startswith("| AdamW, data parallel |")]
+    assert rows[0].endswith("| lr 0.004: the best cell (within 0.5%) |"), rows
+    assert rows[1].endswith("| lr 0.004: +1.11% ± 0.13 (n=2) against lr 0.008 (over 0.5%) |"), rows
+    assert sweep.parse_grid("muon:lr=2e-3,4e-3:x=0.2")[1] == ["lr0.002-x0.2", "lr0.004-x0.2"]
+    assert sweep.cell_values("lr0.002-x0.2-olr0.55") == {"lr": "0.002", "x": "0.2", "olr": "0.55"}
+
+
+def test_heldout_corpus_keeps_the_prose_and_drops_the_navigation():
+    """Guards against the held-out corpus filling up with what is no prose (a page's navigation,
+    table of contents, scripts, styles) or running sections together: each heading starts a
+    document, text inside skipped elements is dropped even where the HTML leaves tags open."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import heldout_corpus
+
+    body = "Debian packages are built from source. " * 8
+    page = (f"<html><head><title>T</title><style>p {{}}</style></head><body><div class='navheader'>Prev Next"
+            f"<a href='x'>Up</a></div><div class='toc'><p>1. Intro</div><h2>1. Intro</h2><p>{body}<br>second line"
+            f"<script>var x = 1;</script><h2>2. More</h2><p>{body}<p>tail &amp; end<div class='navfooter'>Home</div>"
+            "</body></html>")
+    sections = heldout_corpus.page_sections(page)
+    assert len(sections) == 2 and sections[0].startswith("1. Intro\n") and sections[1].startswith("2. More\n")
+    assert "second line" in sections[0] and sections[1].endswith("tail & end")
+    for junk in ("Prev", "Up", "var x", "p {}", "Home", "T\n"):
+        assert all(junk not in s for s in sections), junk
 
 def test_speed_smoke(tmp_path, cache_dir):
     """Guards against the speed study breaking: on a 2-node simulated cluster with a

@@ -11,6 +11,13 @@ from conftest import read_metrics, run_launch, torchrun_command
 FIRST = ["--lr", "0.00258", "--min-lr", "0.0001", "--train-iters", "4", "--lr-warmup-iters", "1"]
 
 
+def _default_lr() -> float:
+    """--lr's default for the runs below (AdamW, no DiLoCo; configs/tiny_gpt.yaml sets none)."""
+    from loco_megatron.config.optimizer import default_lr
+
+    return default_lr("adam", False)[0]
+
+
 def _saved_schedule(argv):
     """The scheduler state a run of ``argv`` would checkpoint after its last step."""
     from loco_megatron.cli import parse_config
@@ -62,7 +69,7 @@ def test_default_keeps_values_not_on_the_command_line():
     opt, sched, note = _resume(["--train-iters", "4", "--lr-warmup-iters", "1"], saved)
     assert sched.max_lr == pytest.approx(2.58e-3) and sched.min_lr == pytest.approx(1e-5)
     assert sched.lr_decay_style == "linear" and opt.param_groups[0]["lr"] == pytest.approx(1e-5)
-    assert "--lr: the checkpoint's 0.00258 is kept, not this run's 0.001 (not on the command line" in note
+    assert f"--lr: the checkpoint's 0.00258 is kept, not this run's {_default_lr():g} (not on the command line" in note
     assert "--lr-decay-style: the checkpoint's linear is kept, not this run's cosine" in note
 
 
@@ -72,9 +79,9 @@ def test_override_flag_takes_every_value_from_this_run():
     saved = _saved_schedule(FIRST)
     opt, sched, note = _resume(["--override-opt-param-scheduler", "--train-iters", "8", "--lr-warmup-iters", "1"],
                                saved)
-    assert sched.max_lr == pytest.approx(1e-3) and sched.lr_decay_steps == 8
-    assert opt.param_groups[0]["max_lr"] == pytest.approx(1e-3)
-    assert "--lr: this run's 0.001 replaces the checkpoint's 0.00258 (--override-opt-param-scheduler)" in note
+    assert sched.max_lr == pytest.approx(_default_lr()) and sched.lr_decay_steps == 8
+    assert opt.param_groups[0]["max_lr"] == pytest.approx(_default_lr())
+    assert f"--lr: this run's {_default_lr():g} replaces the checkpoint's 0.00258 (--override-opt-param-scheduler)" in note
 
 
 def test_use_checkpoint_flag_keeps_every_value():

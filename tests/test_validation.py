@@ -329,3 +329,33 @@ def test_bad_input_line_survives_a_slow_rank_0(tmp_path):
     assert f"traceback : {line}" in root and "rank      : 0 " not in root, root  # rank 0 never got there
     last = launcher.stderr.strip().splitlines()[-1]
     assert re.fullmatch(rf"torchrun: rank [12] failed with exit code 2: {re.escape(line)}", last), last
+
+
+def test_learning_rate_defaults_follow_the_optimizer_and_diloco(tmp_path):
+    """Guards against the tuned defaults (docs/benchmarks.md, section 13) not reaching a run, or
+    overriding what a user set: --lr's and Muon's factor's defaults are the sweep's best cells for
+    the optimizer, data parallel or inside DiLoCo (DEFAULT_LRS); a --lr or factor given (flag or
+    config file) wins; a --min-lr above the default --lr is one line naming the default."""
+    import yaml
+
+    from loco_megatron.cli import parse_config
+    from loco_megatron.config import ConfigError
+    from loco_megatron.config.optimizer import DEFAULT_LRS
+
+    def lrs(*argv):
+        c = parse_config(list(argv), note=lambda line: None)
+        return c.optimizer.lr, c.optimizer.muon_extra_scale_factor, c.diloco.diloco_outer_lr
+
+    muon, muloco = DEFAULT_LRS["muon", False], DEFAULT_LRS["muon", True]
+    assert lrs()[0] == DEFAULT_LRS["adam", False][0] == 3e-3
+    assert lrs("--optimizer", "muon")[:2] == muon and muon[0] * muon[1] == pytest.approx(1.6e-3)
+    assert lrs("--diloco-replicas", "2") == (*DEFAULT_LRS["adam", True], 0.55) and DEFAULT_LRS["adam", True][0] == 1e-3
+    assert lrs("--diloco-replicas", "2", "--optimizer", "muon", "--diloco-inner-steps", "16") == (*muloco, 0.4)
+    assert lrs("--diloco-replicas", "2", "--lr", "2e-3", "--muon-extra-scale-factor", "0.3") == (2e-3, 0.3, 0.55)
+    moe = REPO / "configs" / "tiny_moe.yaml"  # sets its own --lr: the config's, not the optimizer's default
+    assert lrs("--config", str(moe), "--optimizer", "muon")[:2] == (yaml.safe_load(moe.read_text())["lr"], muon[1])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 0.0005\n")
+    assert lrs("--config", str(cfg), "--optimizer", "muon")[0] == 5e-4
+    with pytest.raises(ConfigError, match=r"^--min-lr: must be in \[0, --lr\] \(--lr's default here: 0\.001\)$"):
+        parse_config(["--diloco-replicas", "2", "--min-lr", "2e-3"], note=lambda line: None)

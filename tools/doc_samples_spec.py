@@ -145,6 +145,12 @@ RUNS: dict[str, Run] = {
     "link-needs": Run("python benchmarks/link_needs.py"),
     "link-dry": Run("python pretrain_gpt.py --config configs/llama2_7b.yaml --dry-run --world-size 128 "
                     "--diloco-replicas 2 --diloco-eager --diloco-link-gbps 1"),
+    "lr-defaults": Run("python - <<'EOF'\nfrom loco_megatron.cli import parse_config\n"
+                       'for flags in ("", "--optimizer muon", "--diloco-replicas 2", "--diloco-replicas 2 --optimizer muon"):\n'
+                       "    o, d = (c := parse_config(flags.split())).optimizer, c.diloco\n"
+                       '    print(f"{flags or \'(no flags)\':<38} --lr {o.lr:g}  --muon-extra-scale-factor '
+                       '{o.muon_extra_scale_factor:g}"\n'
+                       '          + (f"  --diloco-outer-lr {d.diloco_outer_lr:g}" if d.enabled else ""))\nEOF'),
     "muon-refused": Run("python pretrain_gpt.py --optimizer muon --param-gather-bits 4", exit_code=2),
     "render-error": Run("SLURM_JOB_NODELIST=a,b SLURM_NNODES=2 SLURM_GPUS_ON_NODE=8 python tools/launch.py render \\\n"
                         "    --config configs/mixtral_8x7b.yaml --run-dir runs/x; echo rc=$?"),
@@ -276,6 +282,7 @@ SAMPLES: dict[str, Sample] = {
     "training-cp-error": Sample((Part("cp-error", (r"error:",)),), "console"),
     "training-latin": Sample((Part("latin"),), "console"),
     "training-muon-dry": Sample((Part("muon-dry", (r"^optimizer:", r"^memory per GPU")),), "console"),
+    "training-lr-defaults": Sample((Part("lr-defaults"),), "bash"),
     "training-muon-refused": Sample((Part("muon-refused", (r"error:",)),), "console"),
     "training-profile": Sample((Part("profile", (r"^iter \d+/", r"^profile:")),), "bash"),
     "loco-2bit": Sample((Part("loco-2bit", (r"^LoCo:", r"^iter 20 \| eval")),), "bash"),

@@ -17,9 +17,12 @@ class OptimizerConfig:
     rest (embeddings, output layer, norms, biases), sharded over the data-parallel ranks by
     whole parameters (megatron-core's layer-wise optimizer, Megatron-LM's --optimizer
     dist_muon; needs --use-distributed-optimizer); see docs/training.md, Muon."""
-    lr: float = 1e-3
+    lr: Optional[float] = None
     """Peak learning rate (with --optimizer muon: of both Muon and AdamW; Muon's update is
-    scaled by --muon-scale-mode and --muon-extra-scale-factor)."""
+    scaled by --muon-scale-mode and --muon-extra-scale-factor). Default: the best of the sweeps of
+    the default model (docs/benchmarks.md, section 13), by optimizer, data parallel or inside
+    DiLoCo (--diloco-replicas): DEFAULT_LRS in loco_megatron/config/optimizer.py, listed in
+    docs/training.md, "Learning rates", with the rule for another model size."""
     min_lr: float = 1e-4
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
@@ -47,10 +50,11 @@ class OptimizerConfig:
     muon_scale_mode: str = choice("spectral", ("spectral", "shape_scaling", "unit_rms_norm"))
     """Muon: the update's scale for an m x n matrix: spectral sqrt(max(m, n)) (an update of RMS 1, before
     --muon-extra-scale-factor), shape_scaling sqrt(max(1, m / n)) (Keller Jordan's), unit_rms_norm sqrt(m / n)."""
-    muon_extra_scale_factor: float = 0.5
+    muon_extra_scale_factor: Optional[float] = None
     """Muon: a factor on the scaled update (with the spectral scale the update's RMS is --lr times this).
-    0.5 is what this project measured to beat AdamW at AdamW's own --lr, low or tuned (docs/training.md,
-    Muon); Megatron-LM's default is 1.0, Moonshot's AdamW-matching value 0.2 (arXiv 2502.16982)."""
+    Default: the sweeps' best with Muon's default --lr, data parallel or inside DiLoCo (docs/training.md,
+    "Learning rates"); Megatron-LM's default is 1.0, Moonshot's AdamW-matching value 0.2 at AdamW's --lr
+    (arXiv 2502.16982)."""
     muon_tp_mode: str = choice("blockwise", ("blockwise", "duplicated"))
     """Muon under tensor parallelism: blockwise orthogonalises each TP rank's slice of a matrix on its own;
     duplicated all-gathers the slices over the TP group and orthogonalises the whole matrix on every TP rank.
@@ -76,14 +80,17 @@ class OptimizerConfig:
         check_choices(self)
         require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                 "override_opt_param_scheduler", "give either it or --use-checkpoint-opt-param-scheduler, not both")
-        require(self.lr > 0, "lr", "must be positive")
-        require(0 <= self.min_lr <= self.lr, "min_lr", "must be in [0, --lr]")
+        # (--lr's default depends on DiLoCo too: the whole Config resolves it, default_lr)
+        require(self.lr is None or self.lr > 0, "lr", "must be positive")
+        require(0 <= self.min_lr <= (self.lr if self.lr is not None else float("inf")), "min_lr",
+                "must be in [0, --lr]")
         require(self.lr_warmup_iters >= 0, "lr_warmup_iters", "must be >= 0")
         require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         require(0 <= self.muon_momentum < 1, "muon_momentum", "must be in [0, 1)")
         require(self.muon_num_ns_steps >= 1, "muon_num_ns_steps", "must be >= 1")
-        require(self.muon_extra_scale_factor > 0, "muon_extra_scale_factor", "must be positive")
+        require(self.muon_extra_scale_factor is None or self.muon_extra_scale_factor > 0, "muon_extra_scale_factor",
+                "must be positive")
         if self.lr_warmup_fraction is not None:
             require(0.0 <= self.lr_warmup_fraction < 1.0, "lr_warmup_fraction", "must be in [0, 1)")
             require(self.lr_warmup_iters == 0, "lr_warmup_fraction", "give either it or --lr-warmup-iters, not both")
@@ -93,3 +100,17 @@ class OptimizerConfig:
         if self.lr_warmup_fraction is not None:
             return int(self.lr_warmup_fraction * decay_iters)
         return self.lr_warmup_iters
+
+
+DEFAULT_LRS = {("adam", False): (3e-3, 0.025), ("muon", False): (6.4e-2, 0.025),
+               ("adam", True): (1e-3, 0.5), ("muon", True): (1e-3, 0.5)}
+"""(--lr, --muon-extra-scale-factor) by (--optimizer, DiLoCo on): the best cells of benchmarks/sweep.py on
+the default model (docs/benchmarks.md, section 13). The factor of an AdamW run is Muon's of the same
+setting (it reaches no parameter)."""
+
+
+def default_lr(optimizer: str, diloco: bool) -> tuple[float, float]:
+    """(--lr, --muon-extra-scale-factor) defaults for ``optimizer`` (adam or muon), data parallel or
+    (``diloco``) as DiLoCo's inner optimizer: :data:`DEFAULT_LRS`. Inside DiLoCo both optimizers keep
+    the smaller step: between two outer steps the replicas drift apart at the data-parallel one."""
+    return DEFAULT_LRS[optimizer, diloco]

@@ -8,7 +8,7 @@ from loco_megatron.config.base import ConfigError, require
 from loco_megatron.config.model import ModelConfig
 from loco_megatron.config.parallel import ParallelConfig
 from loco_megatron.config.data import DataConfig
-from loco_megatron.config.optimizer import OptimizerConfig
+from loco_megatron.config.optimizer import OptimizerConfig, default_lr
 from loco_megatron.config.train import TrainConfig
 from loco_megatron.config.loco import LoCoConfig
 from loco_megatron.config.diloco import DiLoCoConfig
@@ -36,6 +36,15 @@ class Config:
 
     def __post_init__(self):
         m, p = self.model, self.parallel
+        # --lr's and Muon's factor's defaults depend on the optimizer and on DiLoCo (the sweeps of
+        # docs/benchmarks.md, section 13), so the whole Config resolves them.
+        o = self.optimizer
+        lr, factor = default_lr(o.optimizer, self.diloco.enabled)
+        if o.muon_extra_scale_factor is None:
+            o.muon_extra_scale_factor = factor
+        if o.lr is None:
+            o.lr = lr
+            require(o.min_lr <= o.lr, "min_lr", f"must be in [0, --lr] (--lr's default here: {o.lr:g})")
         heads = m.num_attention_heads
         require(heads % p.tensor_model_parallel_size == 0, "num_attention_heads",
                  f"{heads} is not divisible by --tensor-model-parallel-size {p.tensor_model_parallel_size}")
