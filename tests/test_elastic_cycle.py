@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import free_port, program, spawn_ranks
 from loco_megatron.config import ConfigError
 from loco_megatron.diloco.elastic.agreement import adopt, state_hash, tensor_sums
-from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, Fingerprint,
+from loco_megatron.diloco.elastic.cycle import (AGREE, NOTHING, OUTER, RECHECK, REFUSE, WAIT, WITHHELD, PARTS, Fingerprint,
                                                 combine, live_mask, missing, plan, progress, settings_parts)
 from loco_megatron.diloco.elastic.lighthouse import Status, check_lighthouse, parse_status, read_status
 from loco_megatron.diloco.elastic.split import Member, Share, next_split, split_id
@@ -113,7 +113,7 @@ def test_a_refusal_names_the_setting_that_differs():
     assert cycle.action == REFUSE and cycle.refused_ranks == {1}
     assert "--diloco-replica-id 1: --diloco-inner-steps differs from the run's (replica 0's" in cycle.refused
     many, _ = settings_parts([(f"--s{i}", i) for i in range(40)])
-    assert len(many) == 24 and many[-1] == "the other shared settings"
+    assert len(many) == PARTS and many[-1] == "the other shared settings"
 
 
 def test_the_final_cycles_fragments_are_the_most_advanced_contributors_for_all():

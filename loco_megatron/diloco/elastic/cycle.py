@@ -34,7 +34,7 @@ def config_hash(parts: list) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
-PARTS = 24
+PARTS = 32
 """Slots of :attr:`Fingerprint.parts`: one hash per setting every replica must share, so a
 refusal names the setting that differs (more settings than slots: the last holds the rest)."""
 
