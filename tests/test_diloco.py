@@ -36,7 +36,8 @@ def test_one_replica_with_lr_one_tracks_plain_training(optimizer, cache_dir, tmp
     (MuLoCo) the shards are the layer-wise optimizer's whole parameters, each rank's own:
     an outer update of a parameter the rank does not own, or one not copied to the model
     or not gathered to the replica's other rank, breaks the tracking too."""
-    args = TINY + ["--train-iters", "6", "--optimizer", optimizer]
+    # (both runs at one --lr and scale: the defaults inside DiLoCo are not plain training's)
+    args = TINY + ["--train-iters", "6", "--optimizer", optimizer, "--lr", "1e-3", "--muon-extra-scale-factor", "0.5"]
     one = ["--diloco-replicas", "1", "--diloco-inner-steps", "2", "--diloco-outer-lr", "1",
            "--diloco-outer-momentum", "0", "--diloco-outer-bits", "0"]
     runs = [("plain", []), ("one", one)]
