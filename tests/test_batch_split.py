@@ -91,6 +91,20 @@ def test_shares_of_another_split_are_never_kept():
     assert held_by_all(_holding(bc), 16) and not held_by_all([a_stale, b_now], 16)
 
 
+def test_a_share_its_holders_layout_cannot_train_is_split_again():
+    """Guards against a split kept for a replica healed or restarted in another layout: it
+    held 6 of 12 samples at TP 2 (granule 2) and comes back at DP 2 (granule 4) with the
+    same split as its peer; a test of ids and sums alone kept the split, and its heal was
+    refused at every try (6 samples are not whole micro batches on 2 ranks) until the
+    quorum timeout ended it. The split is made again in whole shares of both granules."""
+    halves = split([0, 1], [1, 1], 12, 2)
+    assert halves == {0: Share(0, 6), 1: Share(6, 6)}
+    assert held_by_all(_holding(halves, granules={0: 2}), 12)
+    moved = _holding(halves, granules={0: 4})
+    assert not held_by_all(moved, 12)
+    assert next_split("weight", moved, 12) == {0: Share(0, 8), 1: Share(8, 4)}  # (whole shares of lcm(4, 1))
+
+
 def test_the_outer_mean_is_weighted_by_the_samples_each_replica_trained():
     """Guards against an outer step that averages replicas of unequal shares as equals (a
     replica that trained a third of the samples would pull half of the update) and against

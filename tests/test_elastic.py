@@ -390,6 +390,34 @@ def test_an_unequal_replica_killed_and_restarted_in_another_layout_heals_and_agr
         assert spans[0][0] == 0 and spans[-1][1] == gbs and all(x[1] == y[0] for x, y in zip(spans, spans[1:])), spans
 
 
+def test_a_saved_split_this_layout_cannot_train_is_dropped_in_one_line(cache_dir, tmp_path):
+    """Guards against a restart in another layout that takes its checkpoint's batch share
+    as it was saved: a TP 2 replica (granule 2) saved 6 of each 12 samples under the
+    ``weight`` split; restarted at DP 2 (whole micro batches of 2 on 2 ranks: granule 4) it
+    crashed at start-up pushing 6 samples into its data iterator. The share is dropped in
+    one line, the replica heals, and the run ends with both replicas agreeing."""
+    run = Run(tmp_path, cache_dir, replicas=2, iters=16,
+              extra=["--global-batch-size", "12", "--diloco-batch-split", "weight"])
+    try:
+        run.start("r0", 0, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck0"), "--save-interval", "4",
+                  nproc=2)
+        run.start("r1", 1, env=run.hold(7))
+        run.wait_iteration("r0", 5)
+        run.kill("r0")
+        run.wait_iteration("r1", 6)
+        run.start_then_release("r0b", 0, 7, "--load", str(tmp_path / "ck0"), nproc=2)
+        codes = [run.finish("r0b"), run.finish("r1")]
+        assert codes == [0, 0], (run.log("r0b")[-3000:], run.log("r1")[-3000:])
+    finally:
+        run.close()
+    log = run.log("r0b")
+    line = ("DiLoCo: the checkpoint's batch split gives this replica 6 samples, not whole shares of 4 in this layout: "
+            "dropped, the replicas split the batch anew at the next outer step")
+    assert log.count(line) == 1 and "DiLoCo: healed from replica 1" in log, log[-3000:]
+    mine, theirs = _committed(run.dumps(0)), _committed(run.dumps(1))
+    assert mine[run.iters]["agreed"] == theirs[run.iters]["agreed"], (mine[run.iters], theirs[run.iters])
+
+
 def test_a_replica_dying_inside_an_exchange_is_discarded_everywhere(cache_dir, tmp_path):
     """Guards against a half-applied outer step when a replica dies in the middle of an
     exchange (phase 1 launched, its peer waiting on it): the survivor discards that outer

@@ -213,7 +213,9 @@ class ReplicaStep(OuterStep):
         except ValueError as e:
             return f"the state healed from a live replica cannot be applied here ({e})"
         share = record.share_of(self.replica) if self.split.mode != "fixed" else None
-        if share is not None and not self._whole(share):
+        # (a share this layout cannot train is replaced by the cycle's re-split, which
+        # :func:`.split.held_by_all` asks for: the healed fingerprint carries its granule)
+        if share is not None and not self._whole(share) and cycle.shares is None:
             return (f"the healed batch share ({share.offset}, {share.samples}) is not whole shares of "
                     f"{self.split.granule} samples in a global batch of {self.split.global_batch}")
         return ""
@@ -240,7 +242,11 @@ class ReplicaStep(OuterStep):
         self._restart_outer(record.outer_steps, healed=True)
         self._synced_at = dict(record.synced_at)
         if self.split.mode != "fixed":
-            self._take_split(record.shares, record.split if record.shares else 0)
+            mine = record.share_of(self.replica)
+            if mine is None or self._whole(mine):
+                self._take_split(record.shares, record.split if record.shares else 0)
+            else:  # (made for this replica's old layout: the cycle's re-split follows at once)
+                self._take_split(None, 0)
         self._take_progress(record.progress, kept)
 
     def _adopt(self, agreed: dict, momentum: Optional[dict]) -> None:

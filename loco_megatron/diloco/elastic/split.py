@@ -139,10 +139,12 @@ def split_id(shares: dict[int, Share]) -> int:
 def held_by_all(members: list[Member], global_batch: int) -> bool:
     """Whether the members hold one split made for exactly them: the same :func:`split_id`
     everywhere, a share for each, the shares summing to the batch (a split tiles the batch
-    among its replicas, so these shares are all of it)."""
+    among its replicas, so these shares are all of it), each whole shares of its member's
+    granule (a replica healed or restarted in another layout may hold a share its new
+    layout cannot train)."""
     held = {m.split for m in members}
     return len(held) == 1 and 0 not in held and min(m.samples for m in members) > 0 \
-        and sum(m.samples for m in members) == global_batch
+        and sum(m.samples for m in members) == global_batch and all(m.samples % m.granule == 0 for m in members)
 
 
 def next_split(mode: str, members: list[Member], global_batch: int) -> Optional[dict[int, Share]]:
