@@ -289,6 +289,17 @@ def run_launch(cmd: list[str], env: dict | None, timeout: float, cwd=REPO,
         return result
 
 
+def recorded_collectives(folder: pathlib.Path, world: int) -> dict[int, list]:
+    """Each rank's collectives as tests/record_collectives.py wrote them (``[group ranks, op,
+    elements]`` in issue order), after asserting that every rank of each communicator
+    issued the same operations in the same order (where gloo forgives, NCCL hangs)."""
+    logs = {r: json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)}
+    for comm in {tuple(g) for log in logs.values() for g, _, _ in log}:
+        seqs = [[(op, n) for g, op, n in logs[r] if tuple(g) == comm] for r in comm]
+        assert all(s == seqs[0] for s in seqs), comm
+    return logs
+
+
 def torchrun(nproc: int, args: list[str], cache: str, tmp_path: pathlib.Path, script: str = "pretrain_gpt.py",
              timeout: int = 600, name: str = "run", plain: bool = False) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run ``script`` on ``nproc`` local ranks; returns the process and its metrics.

@@ -3,14 +3,13 @@ gloo processes, the intra-node reduce-scatter megatron's own, the cross-node rep
 reduction compressed."""
 
 import functools
-import json
 import re
 import shutil
 
 import pytest
 
 import conftest
-from conftest import TINY, train_losses
+from conftest import TINY, recorded_collectives, train_losses
 from loco_megatron.cli import parse_config
 from loco_megatron.config import ConfigError
 
@@ -87,10 +86,7 @@ def test_hsdp_loco_trains_keeps_replicas_identical_in_order(compressed, uncompre
     assert all(abs(on[i] - off[i]) < 0.02 for i in off), (on, off)
     assert on != off  # the compressed reduction did change the gradients
 
-    logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
-    for comm in {tuple(g) for log in logs.values() for g, _, _ in log}:
-        seqs = [[(op, n) for g, op, n in logs[r] if tuple(g) == comm] for r in comm]
-        assert all(s == seqs[0] for s in seqs), comm
+    logs = recorded_collectives(tmp_path, 4)  # (each communicator in one order on all its ranks)
     assert {tuple(g) for g, _, _ in logs[0]} == {(0, 2)}  # only the cross-node group, rank 0's
 
     per_step = len(logs[0]) // 4
